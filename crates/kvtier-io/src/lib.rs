@@ -1,0 +1,17 @@
+//! kvtier-io: bytes on devices.
+//!
+//! * [`buffer`]: owned, aligned buffers and the one allocation hook.
+//! * [`engine`]: a batch I/O engine that keeps N reads or writes in flight,
+//!   on io_uring where the kernel allows it and on a thread pool otherwise.
+//! * [`direct`]: opening files with `O_DIRECT` and probing whether a
+//!   directory accepts it; the active mode is always reported, never silent.
+
+pub mod buffer;
+pub mod direct;
+pub mod engine;
+mod threads;
+mod uring;
+
+pub use buffer::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, align_up, system_allocator};
+pub use direct::{DirectProbe, open_direct, probe_direct};
+pub use engine::{Backend, EngineConfig, IoDone, IoEngine, IoKind, IoOp};

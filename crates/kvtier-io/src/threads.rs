@@ -1,0 +1,73 @@
+//! Thread-pool backend: `pread`/`pwrite` on scoped threads.
+//!
+//! Used where io_uring is unavailable (old kernels, seccomp sandboxes). The
+//! calling thread works too, so `in_flight = 1` runs without spawning.
+
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::engine::{IoDone, IoKind, IoOp, finish};
+
+/// Runs `ops` with up to `in_flight` threads; results in submission order.
+pub(crate) fn run_batch(ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone> {
+    let n = ops.len();
+    let slots: Vec<Mutex<Option<IoOp<'_>>>> =
+        ops.into_iter().map(|op| Mutex::new(Some(op))).collect();
+    let results: Vec<Mutex<Option<IoDone>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    let next = AtomicUsize::new(0);
+    let work = || {
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= n {
+                break;
+            }
+            let op = slots[i].lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(op) = op {
+                let done = run_one(op);
+                *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(done);
+            }
+        }
+    };
+    let workers = in_flight.min(n);
+    std::thread::scope(|s| {
+        for _ in 1..workers {
+            s.spawn(work);
+        }
+        work();
+    });
+    results
+        .into_iter()
+        .filter_map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
+        .collect()
+}
+
+fn run_one(op: IoOp<'_>) -> IoDone {
+    let IoOp {
+        kind,
+        file,
+        offset,
+        mut buf,
+    } = op;
+    let want = buf.len();
+    let mut done = 0usize;
+    let mut err = None;
+    while done < want {
+        let at = offset + done as u64;
+        let r = match kind {
+            IoKind::Read => file.read_at(&mut buf[done..], at),
+            IoKind::Write => file.write_at(&buf[done..], at),
+        };
+        match r {
+            Ok(0) => break,
+            Ok(k) => done += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                err = Some(e);
+                break;
+            }
+        }
+    }
+    finish(kind, buf, done, err)
+}
