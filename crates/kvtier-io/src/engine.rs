@@ -19,7 +19,8 @@
 use std::fmt;
 use std::fs::File;
 use std::io;
-use std::sync::OnceLock;
+use std::ops::Deref;
+use std::sync::{Arc, OnceLock};
 
 use crate::buffer::AlignedBuf;
 
@@ -32,6 +33,50 @@ pub enum IoKind {
     Write,
 }
 
+/// The buffer of one op: owned (reads and writes), or shared read-only
+/// (writes of a block that readers may hold at the same time, with no copy).
+#[derive(Debug)]
+pub enum IoBuf {
+    /// Exclusively owned; required for reads.
+    Owned(AlignedBuf),
+    /// Shared; the `Arc` keeps it alive while the kernel reads from it.
+    Shared(Arc<AlignedBuf>),
+}
+
+impl IoBuf {
+    /// The owned buffer, if this is one.
+    pub fn into_owned(self) -> Option<AlignedBuf> {
+        match self {
+            IoBuf::Owned(b) => Some(b),
+            IoBuf::Shared(_) => None,
+        }
+    }
+
+    pub(crate) fn as_ptr(&self) -> *const u8 {
+        match self {
+            IoBuf::Owned(b) => b.as_ptr(),
+            IoBuf::Shared(b) => b.as_ptr(),
+        }
+    }
+
+    pub(crate) fn owned_mut(&mut self) -> Option<&mut AlignedBuf> {
+        match self {
+            IoBuf::Owned(b) => Some(b),
+            IoBuf::Shared(_) => None,
+        }
+    }
+}
+
+impl Deref for IoBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            IoBuf::Owned(b) => b,
+            IoBuf::Shared(b) => b,
+        }
+    }
+}
+
 /// One I/O of a batch. The buffer's current length is the transfer size.
 #[derive(Debug)]
 pub struct IoOp<'f> {
@@ -42,8 +87,8 @@ pub struct IoOp<'f> {
     pub file: &'f File,
     /// Byte offset in the file.
     pub offset: u64,
-    /// The buffer; returned in [`IoDone`].
-    pub buf: AlignedBuf,
+    /// The buffer; returned in [`IoDone`]. Reads need [`IoBuf::Owned`].
+    pub buf: IoBuf,
 }
 
 impl<'f> IoOp<'f> {
@@ -53,7 +98,7 @@ impl<'f> IoOp<'f> {
             kind: IoKind::Read,
             file,
             offset,
-            buf,
+            buf: IoBuf::Owned(buf),
         }
     }
 
@@ -63,7 +108,17 @@ impl<'f> IoOp<'f> {
             kind: IoKind::Write,
             file,
             offset,
-            buf,
+            buf: IoBuf::Owned(buf),
+        }
+    }
+
+    /// A write of a shared buffer (no copy; the kernel only reads it).
+    pub fn write_shared(file: &'f File, offset: u64, buf: Arc<AlignedBuf>) -> Self {
+        Self {
+            kind: IoKind::Write,
+            file,
+            offset,
+            buf: IoBuf::Shared(buf),
         }
     }
 }
@@ -75,7 +130,7 @@ impl<'f> IoOp<'f> {
 #[derive(Debug)]
 pub struct IoDone {
     /// The op's buffer, handed back.
-    pub buf: AlignedBuf,
+    pub buf: IoBuf,
     /// Bytes transferred, or the error that stopped the op.
     pub result: io::Result<usize>,
 }
@@ -208,22 +263,21 @@ pub fn probe_uring() -> Result<(), String> {
 
 /// Turns a finished transfer into its result: reads may end short at end of
 /// file, writes may not.
-pub(crate) fn finish(
-    kind: IoKind,
-    mut buf: AlignedBuf,
-    done: usize,
-    err: Option<io::Error>,
-) -> IoDone {
+pub(crate) fn finish(kind: IoKind, mut buf: IoBuf, done: usize, err: Option<io::Error>) -> IoDone {
     let result = match err {
         Some(e) => Err(e),
+        None if kind == IoKind::Read && buf.owned_mut().is_none() => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "a read needs an owned buffer",
+        )),
         None if kind == IoKind::Write && done < buf.len() => Err(io::Error::new(
             io::ErrorKind::WriteZero,
             format!("wrote {done} of {} bytes", buf.len()),
         )),
         None => Ok(done),
     };
-    if kind == IoKind::Read {
-        buf.set_len(done);
+    if let (IoKind::Read, Some(b)) = (kind, buf.owned_mut()) {
+        b.set_len(done);
     }
     IoDone { buf, result }
 }
@@ -285,6 +339,38 @@ mod tests {
                     assert_eq!(&d.buf[..], &pattern(i + qd, len)[..], "op {i} qd {qd}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn shared_writes_and_owned_only_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        for engine in engines() {
+            let path = dir.path().join(format!("s-{}", engine.backend().name()));
+            let file = open_direct(&path, true, false).unwrap();
+            let shared = Arc::new(pattern(3, 8192));
+            let ops = vec![
+                IoOp::write_shared(&file, 0, shared.clone()),
+                IoOp::write_shared(&file, 8192, shared.clone()),
+            ];
+            for d in engine.run_batch(ops, 2) {
+                assert_eq!(d.result.unwrap(), 8192);
+            }
+            let bytes = std::fs::read(&path).unwrap();
+            assert_eq!(&bytes[..8192], &shared[..]);
+            assert_eq!(&bytes[8192..], &shared[..]);
+            let bad = IoOp {
+                kind: IoKind::Read,
+                file: &file,
+                offset: 0,
+                buf: IoBuf::Shared(shared.clone()),
+            };
+            let done = engine.run_batch(vec![bad], 1);
+            assert_eq!(
+                done[0].result.as_ref().unwrap_err().kind(),
+                io::ErrorKind::InvalidInput
+            );
+            assert_eq!(&bytes[..8192], &shared[..], "shared buffer left untouched");
         }
     }
 

@@ -14,4 +14,4 @@ mod uring;
 
 pub use buffer::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, align_up, system_allocator};
 pub use direct::{DirectProbe, open_direct, probe_direct};
-pub use engine::{Backend, EngineConfig, IoDone, IoEngine, IoKind, IoOp};
+pub use engine::{Backend, EngineConfig, IoBuf, IoDone, IoEngine, IoKind, IoOp};

@@ -55,9 +55,10 @@ fn run_one(op: IoOp<'_>) -> IoDone {
     let mut err = None;
     while done < want {
         let at = offset + done as u64;
-        let r = match kind {
-            IoKind::Read => file.read_at(&mut buf[done..], at),
-            IoKind::Write => file.write_at(&buf[done..], at),
+        let r = match (kind, buf.owned_mut()) {
+            (IoKind::Read, Some(b)) => file.read_at(&mut b[done..], at),
+            (IoKind::Read, None) => break, // reported by `finish`
+            (IoKind::Write, _) => file.write_at(&buf[done..], at),
         };
         match r {
             Ok(0) => break,

@@ -114,7 +114,13 @@ fn drive(ring: &mut IoUring, ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone
                 // outlives every in-flight op (we only return after all
                 // completions), and `done + len <= buf.len()`.
                 IoKind::Read => {
-                    let ptr = unsafe { p.op.buf.as_mut_ptr().add(p.done) };
+                    let Some(b) = p.op.buf.owned_mut() else {
+                        // A shared buffer cannot be read into; `finish` reports it.
+                        p.finished = true;
+                        finished += 1;
+                        continue;
+                    };
+                    let ptr = unsafe { b.as_mut_ptr().add(p.done) };
                     opcode::Read::new(fd, ptr, len).offset(off).build()
                 }
                 IoKind::Write => {
@@ -163,7 +169,7 @@ fn drive(ring: &mut IoUring, ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone
             let err = io::Error::other("io_uring failed with ops in flight");
             let out = (0..n)
                 .map(|_| IoDone {
-                    buf: crate::buffer::AlignedBuf::empty(),
+                    buf: crate::engine::IoBuf::Owned(crate::buffer::AlignedBuf::empty()),
                     result: Err(io::Error::new(err.kind(), err.to_string())),
                 })
                 .collect();

@@ -4,7 +4,21 @@
 //! chained prefix hashes ([`key`]), in a versioned, checksummed format
 //! ([`block`]), across G2 host memory and G3 disk tiers.
 
+pub mod admission;
 pub mod block;
+pub mod disk;
 pub mod key;
 pub mod layout;
+pub mod memory;
+pub mod metrics;
 pub mod policy;
+pub mod store;
+
+pub use block::BlockError;
+pub use disk::{DiskConfig, DiskError, DiskTier};
+pub use key::{BlockKey, KeyChain, ModelFingerprint};
+pub use layout::{KvDtype, KvLayout};
+pub use metrics::{StoreMetrics, Tier};
+pub use store::{
+    PrefixLookup, PutReport, StoreConfig, StoreError, StoreStats, StoredBlock, TieredStore,
+};

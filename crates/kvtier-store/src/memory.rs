@@ -1,0 +1,249 @@
+//! G2: the host-memory tier.
+//!
+//! Holds encoded blocks (header + payload, the same bytes G3 writes) in
+//! buffers from the store's allocation hook, up to a byte capacity, under the
+//! [`S3Fifo`] policy. Blocks are shared as `Arc<AlignedBuf>`: a reader holds
+//! its block alive even if the tier evicts it meanwhile, so eviction can never
+//! pull memory from under a reader (the lease is the `Arc`).
+//!
+//! Eviction hands the evicted blocks back to the caller, which demotes the
+//! ones not yet on disk to G3 asynchronously.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvtier_io::AlignedBuf;
+use parking_lot::Mutex;
+
+use crate::key::BlockKey;
+use crate::metrics::TierMetrics;
+use crate::policy::S3Fifo;
+
+/// A block that left G2.
+#[derive(Debug)]
+pub struct Evicted {
+    /// Its key.
+    pub key: BlockKey,
+    /// Its encoded bytes.
+    pub buf: Arc<AlignedBuf>,
+    /// True when G3 already holds it (it came from there, or was written).
+    pub persisted: bool,
+}
+
+#[derive(Debug)]
+struct Entry {
+    buf: Arc<AlignedBuf>,
+    persisted: bool,
+}
+
+#[derive(Debug)]
+struct Inner {
+    map: HashMap<BlockKey, Entry>,
+    policy: S3Fifo<BlockKey>,
+}
+
+/// The G2 tier. Thread-safe; every method takes `&self`.
+#[derive(Debug)]
+pub struct MemoryTier {
+    inner: Mutex<Inner>,
+    metrics: TierMetrics,
+}
+
+impl MemoryTier {
+    /// A tier holding at most `capacity_bytes` of block buffers.
+    pub fn new(capacity_bytes: u64, metrics: TierMetrics) -> Self {
+        metrics.capacity_bytes.set(capacity_bytes as i64);
+        Self {
+            inner: Mutex::new(Inner {
+                map: HashMap::new(),
+                policy: S3Fifo::new(capacity_bytes),
+            }),
+            metrics,
+        }
+    }
+
+    /// The block under `key`, recording a hit (or a miss).
+    pub fn get(&self, key: &BlockKey) -> Option<Arc<AlignedBuf>> {
+        let mut inner = self.inner.lock();
+        let found = inner.map.get(key).map(|e| e.buf.clone());
+        match &found {
+            Some(buf) => {
+                inner.policy.touch(key);
+                self.metrics.hits.inc();
+                self.metrics.read_bytes.inc_by(buf.len() as u64);
+            }
+            None => {
+                self.metrics.misses.inc();
+            }
+        }
+        found
+    }
+
+    /// True when `key` is resident (no hit is recorded).
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.inner.lock().map.contains_key(key)
+    }
+
+    /// Inserts a block (replacing one under the same key) and returns the
+    /// blocks evicted to make room. A block larger than the whole tier is
+    /// returned as evicted at once.
+    pub fn insert(&self, key: BlockKey, buf: Arc<AlignedBuf>, persisted: bool) -> Vec<Evicted> {
+        let weight = buf.capacity() as u64;
+        let bytes = buf.len() as u64;
+        let mut inner = self.inner.lock();
+        let persisted = persisted || inner.map.get(&key).is_some_and(|e| e.persisted);
+        inner.map.insert(key, Entry { buf, persisted });
+        let evicted_keys = inner.policy.insert(key, weight);
+        let mut out = Vec::with_capacity(evicted_keys.len());
+        for k in evicted_keys {
+            if let Some(e) = inner.map.remove(&k) {
+                if k != key {
+                    self.metrics.evictions.inc();
+                }
+                out.push(Evicted {
+                    key: k,
+                    buf: e.buf,
+                    persisted: e.persisted,
+                });
+            }
+        }
+        self.metrics.written_bytes.inc_by(bytes);
+        self.metrics
+            .occupancy_bytes
+            .set(inner.policy.used_bytes() as i64);
+        out
+    }
+
+    /// Marks a resident block as present in G3, so evicting it needs no write.
+    pub fn mark_persisted(&self, key: &BlockKey) {
+        if let Some(e) = self.inner.lock().map.get_mut(key) {
+            e.persisted = true;
+        }
+    }
+
+    /// Removes a block.
+    pub fn remove(&self, key: &BlockKey) -> Option<Evicted> {
+        let mut inner = self.inner.lock();
+        inner.policy.remove(key);
+        let e = inner.map.remove(key)?;
+        self.metrics
+            .occupancy_bytes
+            .set(inner.policy.used_bytes() as i64);
+        Some(Evicted {
+            key: *key,
+            buf: e.buf,
+            persisted: e.persisted,
+        })
+    }
+
+    /// Evicts every block (in policy order) and returns them.
+    pub fn drain(&self) -> Vec<Evicted> {
+        let mut inner = self.inner.lock();
+        let mut out = Vec::with_capacity(inner.map.len());
+        while let Some(k) = inner.policy.evict_one() {
+            if let Some(e) = inner.map.remove(&k) {
+                out.push(Evicted {
+                    key: k,
+                    buf: e.buf,
+                    persisted: e.persisted,
+                });
+            }
+        }
+        // Anything the policy did not know (cannot happen) goes too.
+        out.extend(inner.map.drain().map(|(key, e)| Evicted {
+            key,
+            buf: e.buf,
+            persisted: e.persisted,
+        }));
+        self.metrics.evictions.inc_by(out.len() as u64);
+        self.metrics.occupancy_bytes.set(0);
+        out
+    }
+
+    /// Resident blocks not yet in G3.
+    pub fn dirty(&self) -> Vec<(BlockKey, Arc<AlignedBuf>)> {
+        self.inner
+            .lock()
+            .map
+            .iter()
+            .filter(|(_, e)| !e.persisted)
+            .map(|(k, e)| (*k, e.buf.clone()))
+            .collect()
+    }
+
+    /// Bytes held.
+    pub fn used_bytes(&self) -> u64 {
+        self.inner.lock().policy.used_bytes()
+    }
+
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.inner.lock().map.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(fill: u8) -> Arc<AlignedBuf> {
+        let mut b = AlignedBuf::zeroed(4096, 4096).unwrap();
+        b.fill(fill);
+        Arc::new(b)
+    }
+
+    fn key(i: u8) -> BlockKey {
+        BlockKey([i; 16])
+    }
+
+    #[test]
+    fn capacity_is_kept_and_evictions_returned() {
+        let tier = MemoryTier::new(4 * 4096, TierMetrics::default());
+        let mut evicted = Vec::new();
+        for i in 0..10 {
+            evicted.extend(tier.insert(key(i), block(i), false));
+            assert!(tier.used_bytes() <= 4 * 4096);
+        }
+        assert_eq!(tier.len() + evicted.len(), 10);
+        for e in &evicted {
+            assert!(!tier.contains(&e.key));
+            assert!(
+                e.buf.iter().all(|&b| b == e.key.0[0]),
+                "evicted block keeps its bytes"
+            );
+        }
+    }
+
+    #[test]
+    fn reader_keeps_block_alive_across_eviction() {
+        let tier = MemoryTier::new(4096, TierMetrics::default());
+        tier.insert(key(1), block(1), false);
+        let held = tier.get(&key(1)).unwrap();
+        let out = tier.insert(key(2), block(2), false);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].key, key(1));
+        assert!(held.iter().all(|&b| b == 1));
+    }
+
+    #[test]
+    fn persisted_flag_survives_reinsert_and_dirty_lists_the_rest() {
+        let tier = MemoryTier::new(1 << 20, TierMetrics::default());
+        tier.insert(key(1), block(1), true);
+        tier.insert(key(2), block(2), false);
+        tier.insert(key(1), block(1), false);
+        let dirty: Vec<_> = tier.dirty().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(dirty, vec![key(2)]);
+        tier.mark_persisted(&key(2));
+        assert!(tier.dirty().is_empty());
+        let drained = tier.drain();
+        assert_eq!(drained.len(), 2);
+        assert!(drained.iter().all(|e| e.persisted));
+        assert!(tier.is_empty());
+        assert_eq!(tier.used_bytes(), 0);
+    }
+}
