@@ -205,7 +205,7 @@ impl DiskTier {
         metrics: TierMetrics,
     ) -> Result<Self, DiskError> {
         let slot_bytes = config.slot_bytes;
-        if slot_bytes == 0 || slot_bytes % DIRECT_IO_ALIGN as u64 != 0 {
+        if slot_bytes == 0 || !slot_bytes.is_multiple_of(DIRECT_IO_ALIGN as u64) {
             return Err(DiskError::Config(format!(
                 "slot size {slot_bytes} must be a positive multiple of {DIRECT_IO_ALIGN}"
             )));
@@ -538,6 +538,7 @@ impl DiskTier {
             self.metrics
                 .write_seconds
                 .observe(t.elapsed().as_secs_f64());
+            let mut failed = Vec::new();
             let mut st = self.state.lock();
             for (&(i, slot), d) in planned.iter().zip(done) {
                 let key = blocks[i].0;
@@ -551,8 +552,10 @@ impl DiskTier {
                         results[i] = Some(Ok(PutOutcome::Written));
                     }
                     Err(e) => {
-                        st.slots[slot as usize].state = SlotState::Free;
-                        st.free.push(slot);
+                        // The slot stays reserved until its header is wiped:
+                        // a partly written header must not index it again
+                        // after a restart.
+                        failed.push(slot);
                         self.metrics.put_errors.inc();
                         results[i] = Some(Err(DiskError::Io(e)));
                     }
@@ -561,6 +564,10 @@ impl DiskTier {
             self.metrics
                 .occupancy_bytes
                 .set((st.valid * self.slot_bytes as u64) as i64);
+            drop(st);
+            if !failed.is_empty() {
+                self.wipe(&failed);
+            }
         }
         results
             .into_iter()
@@ -655,10 +662,11 @@ impl DiskTier {
                         self.metrics.read_bytes.inc_by(self.slot_bytes as u64);
                     }
                     ReadOutcome::Corrupt(e) => {
-                        tracing::warn!("G3 block {key} failed verification ({e}); deleting it");
-                        self.metrics.corrupt_blocks.inc();
                         self.metrics.misses.inc();
                         if st.index.get(&key) == Some(&slot) {
+                            // Counted once per block, however many readers saw it.
+                            tracing::warn!("G3 block {key} failed verification ({e}); deleting it");
+                            self.metrics.corrupt_blocks.inc();
                             st.index.remove(&key);
                             st.valid -= 1;
                             st.slots[slot as usize].state = SlotState::Dead;
@@ -689,8 +697,8 @@ impl DiskTier {
         out.into_iter().flatten().collect()
     }
 
-    /// Zeroes the header page of reserved slots so the deleted blocks do not
-    /// come back at the next open, then frees them.
+    /// Zeroes the header page of reserved slots so deleted (or partly
+    /// written) blocks do not come back at the next open, then frees them.
     fn wipe(&self, slots: &[u32]) {
         let mut ops = Vec::new();
         for &slot in slots {

@@ -322,10 +322,16 @@ impl TieredStore {
         let mut out: Vec<Option<StoredBlock>> = Vec::with_capacity(keys.len());
         let mut from_disk: Vec<usize> = Vec::new();
         for (i, key) in keys.iter().enumerate() {
-            let buf = inner
-                .memory
-                .get(key)
-                .or_else(|| inner.pending.set.lock().blocks.get(key).cloned());
+            // Evicted blocks waiting for write-back are still G2 hits.
+            let queued = inner.pending.set.lock().blocks.get(key).cloned();
+            let buf = match queued {
+                Some(buf) => {
+                    inner.metrics.g2.hits.inc();
+                    inner.metrics.g2.read_bytes.inc_by(buf.len() as u64);
+                    Some(buf)
+                }
+                None => inner.memory.get(key),
+            };
             match buf {
                 Some(buf) => out.push(Some(StoredBlock {
                     key: *key,
@@ -393,7 +399,9 @@ impl TieredStore {
         self.wait_for_writeback_room();
         let mut evicted = Vec::new();
         for (key, buf) in encoded {
-            evicted.extend(inner.memory.insert(key, buf, false));
+            // A block G3 already holds needs no write-back when evicted.
+            let persisted = inner.disk.as_ref().is_some_and(|d| d.contains(&key));
+            evicted.extend(inner.memory.insert(key, buf, persisted));
             report.stored += 1;
         }
         self.demote(evicted);
@@ -458,7 +466,10 @@ impl TieredStore {
         let keys: Vec<BlockKey> = batch.iter().map(|(k, _)| *k).collect();
         if !self.send(Job::Write(batch)) {
             // Closed: nothing will write these; do not leave them queued.
-            tracing::warn!("store closed; {} evicted blocks not written to G3", keys.len());
+            tracing::warn!(
+                "store closed; {} evicted blocks not written to G3",
+                keys.len()
+            );
             let mut set = inner.pending.set.lock();
             for k in keys {
                 if let Some(b) = set.blocks.remove(&k) {
