@@ -7,8 +7,11 @@
 //!   directory accepts it; the active mode is always reported, never silent.
 
 pub mod buffer;
+pub mod checkpoint;
 pub mod direct;
 pub mod engine;
+pub mod loader;
+pub mod safetensors;
 mod threads;
 mod uring;
 

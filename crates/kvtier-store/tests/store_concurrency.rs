@@ -126,7 +126,7 @@ fn reads_racing_evicting_puts_on_a_full_tier_never_see_foreign_or_torn_bytes() {
                         .keys()
                         .into_iter()
                         .enumerate()
-                        .filter(|(i, _)| reads % 2 == 0 || i % 2 == 0)
+                        .filter(|(i, _)| reads.is_multiple_of(2) || i.is_multiple_of(2))
                         .map(|(_, k)| (k, AlignedBuf::zeroed(SLOT as usize, 4096).unwrap()))
                         .collect();
                     for r in tier.read_many(reqs) {

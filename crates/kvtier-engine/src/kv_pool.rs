@@ -1,0 +1,227 @@
+//! G1: the paged KV pool.
+//!
+//! Fixed pages of `block_tokens` tokens. Per layer, K and V each live in one
+//! tensor of shape `(pages * kv_heads * block_tokens, head_dim)`; page `p`,
+//! head `h` is the contiguous run of rows starting at
+//! `(p * kv_heads + h) * block_tokens`. A page's bytes, layer by layer, K then
+//! V, are exactly a store block's payload (`[layer][k|v][kv_head][token]
+//! [head_dim]`, little-endian f32), so restoring a block is a copy, not a
+//! conversion.
+//!
+//! Pages are reference counted: a full page may be shared by several
+//! sequences with the same prefix (it is never written again once full).
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::EngineError;
+
+#[cfg(target_endian = "big")]
+compile_error!("kvtier's KV payload is little-endian f32; big-endian hosts are not supported");
+
+/// Index of a page in the pool.
+pub type PageId = u32;
+
+/// The G1 page pool.
+#[derive(Debug)]
+pub struct KvPool {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    pages: usize,
+    kv_heads: usize,
+    block_tokens: usize,
+    head_dim: usize,
+    device: Device,
+    free: Vec<PageId>,
+    refs: Vec<u32>,
+}
+
+impl KvPool {
+    /// A pool of `pages` pages for `layers` layers.
+    pub fn new(
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        block_tokens: usize,
+        pages: usize,
+        device: &Device,
+    ) -> Result<Self, EngineError> {
+        let rows = pages * kv_heads * block_tokens;
+        let mut k = Vec::with_capacity(layers);
+        let mut v = Vec::with_capacity(layers);
+        for _ in 0..layers {
+            k.push(Tensor::zeros((rows, head_dim), DType::F32, device)?);
+            v.push(Tensor::zeros((rows, head_dim), DType::F32, device)?);
+        }
+        Ok(Self {
+            k,
+            v,
+            pages,
+            kv_heads,
+            block_tokens,
+            head_dim,
+            device: device.clone(),
+            free: (0..pages as PageId).rev().collect(),
+            refs: vec![0; pages],
+        })
+    }
+
+    /// Tokens per page.
+    pub fn block_tokens(&self) -> usize {
+        self.block_tokens
+    }
+
+    /// Pages in all.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
+    /// Pages free now.
+    pub fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Bytes of one page (= one store block payload).
+    pub fn page_bytes(&self) -> usize {
+        2 * self.k.len() * self.kv_heads * self.block_tokens * self.head_dim * 4
+    }
+
+    /// Takes a free page (reference count 1).
+    pub fn alloc(&mut self) -> Option<PageId> {
+        let p = self.free.pop()?;
+        self.refs[p as usize] = 1;
+        Some(p)
+    }
+
+    /// Adds a reference to a page.
+    pub fn retain(&mut self, page: PageId) {
+        self.refs[page as usize] += 1;
+    }
+
+    /// Drops a reference; returns true when the page became unreferenced.
+    /// An unreferenced page is not freed here: the owner of the prefix cache
+    /// decides (it may keep it for reuse) and calls [`KvPool::free`].
+    pub fn release(&mut self, page: PageId) -> bool {
+        let r = &mut self.refs[page as usize];
+        *r = r.saturating_sub(1);
+        *r == 0
+    }
+
+    /// References held on a page.
+    pub fn refs(&self, page: PageId) -> u32 {
+        self.refs[page as usize]
+    }
+
+    /// Returns an unreferenced page to the free list.
+    pub fn free(&mut self, page: PageId) {
+        if self.refs[page as usize] == 0 && !self.free.contains(&page) {
+            self.free.push(page);
+        }
+    }
+
+    fn row(&self, page: PageId, head: usize, offset: usize) -> usize {
+        (page as usize * self.kv_heads + head) * self.block_tokens + offset
+    }
+
+    /// Writes K and V of `t` tokens (each `(kv_heads, t, head_dim)`) for
+    /// absolute positions `start..start + t` of a sequence whose pages are
+    /// `table` (page `i` holds positions `i * block_tokens ..`).
+    pub fn write(
+        &self,
+        layer: usize,
+        table: &[PageId],
+        start: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(), EngineError> {
+        let (_, t, _) = k.dims3()?;
+        let bt = self.block_tokens;
+        let mut done = 0;
+        while done < t {
+            let pos = start + done;
+            let idx = pos / bt;
+            let off = pos % bt;
+            let len = (bt - off).min(t - done);
+            let page = *table.get(idx).ok_or_else(|| {
+                EngineError::PoolExhausted(format!(
+                    "no page for position {pos} (table has {})",
+                    table.len()
+                ))
+            })?;
+            for h in 0..self.kv_heads {
+                let ks = k.get(h)?.narrow(0, done, len)?.contiguous()?;
+                let vs = v.get(h)?.narrow(0, done, len)?.contiguous()?;
+                let row = self.row(page, h, off);
+                self.k[layer].slice_set(&ks, 0, row)?;
+                self.v[layer].slice_set(&vs, 0, row)?;
+            }
+            done += len;
+        }
+        Ok(())
+    }
+
+    /// K of one page at one layer, `(kv_heads, block_tokens, head_dim)` (a view).
+    pub fn page_k(&self, layer: usize, page: PageId) -> candle_core::Result<Tensor> {
+        self.page_view(&self.k[layer], page)
+    }
+
+    /// V of one page at one layer, `(kv_heads, block_tokens, head_dim)` (a view).
+    pub fn page_v(&self, layer: usize, page: PageId) -> candle_core::Result<Tensor> {
+        self.page_view(&self.v[layer], page)
+    }
+
+    fn page_view(&self, t: &Tensor, page: PageId) -> candle_core::Result<Tensor> {
+        let rows = self.kv_heads * self.block_tokens;
+        t.narrow(0, page as usize * rows, rows)?.reshape((
+            self.kv_heads,
+            self.block_tokens,
+            self.head_dim,
+        ))
+    }
+
+    /// A page's bytes in store-payload order.
+    pub fn export(&self, page: PageId) -> Result<Vec<u8>, EngineError> {
+        let mut out = Vec::with_capacity(self.page_bytes());
+        let rows = self.kv_heads * self.block_tokens;
+        for layer in 0..self.k.len() {
+            for t in [&self.k[layer], &self.v[layer]] {
+                let vals: Vec<f32> = t
+                    .narrow(0, page as usize * rows, rows)?
+                    .flatten_all()?
+                    .to_vec1()?;
+                for x in vals {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Fills a page from a store payload.
+    pub fn import(&self, page: PageId, payload: &[u8]) -> Result<(), EngineError> {
+        if payload.len() != self.page_bytes() {
+            return Err(EngineError::Request(format!(
+                "KV block of {} bytes does not fit pages of {} bytes",
+                payload.len(),
+                self.page_bytes()
+            )));
+        }
+        let rows = self.kv_heads * self.block_tokens;
+        let part = rows * self.head_dim * 4;
+        let mut chunks = payload.chunks_exact(part);
+        for layer in 0..self.k.len() {
+            for t in [&self.k[layer], &self.v[layer]] {
+                let bytes = chunks
+                    .next()
+                    .ok_or_else(|| EngineError::Request("short KV payload".into()))?;
+                let src = Tensor::from_raw_buffer(
+                    bytes,
+                    DType::F32,
+                    &[rows, self.head_dim],
+                    &self.device,
+                )?;
+                t.slice_set(&src, 0, page as usize * rows)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,28 @@
+//! kvtier-engine: a reference inference engine whose KV cache lives in a
+//! paged pool (G1) backed by kvtier's tiered store.
+//!
+//! * [`config`]: `config.json` of Llama / Qwen2 / Mistral models.
+//! * [`weights`]: loading through kvtier-io's parallel loader.
+//! * [`model`], [`attention`], [`rope`]: the forward pass over paged KV.
+//! * [`kv_pool`], [`prefix_cache`]: G1 pages and their prefix index.
+//! * [`engine`]: prefix restore, suffix compute, offload to the store.
+//! * [`tokenizer`], [`sampling`], [`preset`]: text, token choice, and the
+//!   embedded default models.
+
+pub mod attention;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod kv_pool;
+pub mod model;
+pub mod prefix_cache;
+pub mod preset;
+pub mod rope;
+pub mod sampling;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::ModelConfig;
+pub use engine::{CachedTokens, Engine, EngineOptions, Prefill, SeqId, StoreOptions};
+pub use error::EngineError;
+pub use preset::{Preset, write_preset};
