@@ -10,7 +10,7 @@
 //! neither reads nor writes cached KV.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -63,8 +63,10 @@ impl Default for EngineOptions {
 pub struct StoreOptions {
     /// G2 bytes.
     pub memory_bytes: u64,
-    /// G3, if any (its slot size is set from the model's KV layout).
-    pub disk: Option<DiskConfig>,
+    /// G3 directories (none: no G3).
+    pub disk_dirs: Vec<PathBuf>,
+    /// G3 bytes.
+    pub disk_bytes: u64,
 }
 
 /// Identifies a sequence inside the engine.
@@ -169,7 +171,9 @@ impl Engine {
             Some(so) => {
                 let mut sc = StoreConfig::new(layout, fingerprint);
                 sc.memory_bytes = so.memory_bytes;
-                sc.disk = so.disk;
+                if !so.disk_dirs.is_empty() {
+                    sc.disk = Some(DiskConfig::new(so.disk_dirs, so.disk_bytes, layout));
+                }
                 Some(TieredStore::open(sc)?)
             }
             None => None,

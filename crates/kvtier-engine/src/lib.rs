@@ -19,6 +19,7 @@ pub mod prefix_cache;
 pub mod preset;
 pub mod rope;
 pub mod sampling;
+pub mod scheduler;
 pub mod tokenizer;
 pub mod weights;
 

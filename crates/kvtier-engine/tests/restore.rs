@@ -8,7 +8,6 @@ use std::path::Path;
 
 use kvtier_engine::sampling::argmax;
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
-use kvtier_store::DiskConfig;
 
 const BT: usize = 16;
 
@@ -29,7 +28,8 @@ fn opts(reuse: bool) -> EngineOptions {
 fn store_opts(cache: &Path) -> StoreOptions {
     StoreOptions {
         memory_bytes: 64 << 20,
-        disk: Some(DiskConfig::new(vec![cache.to_path_buf()], 64 << 20, 0)),
+        disk_dirs: vec![cache.to_path_buf()],
+        disk_bytes: 64 << 20,
     }
 }
 

@@ -239,13 +239,35 @@ impl IoEngine {
     ///
     /// Never returns before the kernel is done with every buffer.
     pub fn run_batch(&self, ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone> {
+        self.run_batch_map(ops, in_flight, |_, _| ())
+            .into_iter()
+            .map(|(d, ())| d)
+            .collect()
+    }
+
+    /// Like [`run_batch`](Self::run_batch), but calls `f(index, &done)` on
+    /// each op as soon as it completes, while the rest are still in flight,
+    /// and returns its result beside each op. This is how readers verify
+    /// checksums without draining the device queue: the work overlaps I/O.
+    /// `f` runs on the calling thread (io_uring) or on the worker that ran
+    /// the op (thread pool).
+    pub fn run_batch_map<T, F>(
+        &self,
+        ops: Vec<IoOp<'_>>,
+        in_flight: usize,
+        f: F,
+    ) -> Vec<(IoDone, T)>
+    where
+        T: Send,
+        F: Fn(usize, &IoDone) -> T + Sync,
+    {
         let in_flight = in_flight.clamp(1, MAX_IN_FLIGHT);
         if ops.is_empty() {
             return Vec::new();
         }
         match self.backend {
-            Backend::IoUring => crate::uring::run_batch(ops, in_flight),
-            Backend::ThreadPool => crate::threads::run_batch(ops, in_flight),
+            Backend::IoUring => crate::uring::run_batch_map(ops, in_flight, &f),
+            Backend::ThreadPool => crate::threads::run_batch_map(ops, in_flight, &f),
         }
     }
 }
@@ -371,6 +393,36 @@ mod tests {
                 io::ErrorKind::InvalidInput
             );
             assert_eq!(&bytes[..8192], &shared[..], "shared buffer left untouched");
+        }
+    }
+
+    #[test]
+    fn map_callback_sees_every_op_once_with_its_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        for engine in engines() {
+            let path = dir.path().join(format!("m-{}", engine.backend().name()));
+            let file = open_direct(&path, true, false).unwrap();
+            let len = 8192;
+            let ops = (0..20)
+                .map(|i| IoOp::write(&file, (i * len) as u64, pattern(i, len)))
+                .collect();
+            engine.run_batch(ops, 8);
+            let ops = (0..20)
+                .map(|i| {
+                    IoOp::read(
+                        &file,
+                        (i * len) as u64,
+                        AlignedBuf::zeroed(len, 4096).unwrap(),
+                    )
+                })
+                .collect();
+            let out = engine.run_batch_map(ops, 8, |i, d| (i, d.buf[..] == pattern(i, len)[..]));
+            assert_eq!(out.len(), 20);
+            for (k, (done, (i, matched))) in out.into_iter().enumerate() {
+                assert_eq!(k, i, "results in submission order");
+                assert!(matched, "callback saw op {i}'s bytes");
+                assert_eq!(done.result.unwrap(), len);
+            }
         }
     }
 

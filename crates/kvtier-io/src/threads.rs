@@ -10,12 +10,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::engine::{IoDone, IoKind, IoOp, finish};
 
-/// Runs `ops` with up to `in_flight` threads; results in submission order.
-pub(crate) fn run_batch(ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone> {
+/// Runs `ops` with up to `in_flight` threads, calling `f` on each op as it
+/// completes (on the thread that ran it); results in submission order.
+pub(crate) fn run_batch_map<T, F>(ops: Vec<IoOp<'_>>, in_flight: usize, f: &F) -> Vec<(IoDone, T)>
+where
+    T: Send,
+    F: Fn(usize, &IoDone) -> T + Sync,
+{
     let n = ops.len();
     let slots: Vec<Mutex<Option<IoOp<'_>>>> =
         ops.into_iter().map(|op| Mutex::new(Some(op))).collect();
-    let results: Vec<Mutex<Option<IoDone>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    let results: Vec<Mutex<Option<(IoDone, T)>>> = (0..n).map(|_| Mutex::new(None)).collect();
     let next = AtomicUsize::new(0);
     let work = || {
         loop {
@@ -26,7 +31,8 @@ pub(crate) fn run_batch(ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone> {
             let op = slots[i].lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(op) = op {
                 let done = run_one(op);
-                *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(done);
+                let t = f(i, &done);
+                *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some((done, t));
             }
         }
     };

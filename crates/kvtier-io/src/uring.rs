@@ -15,7 +15,8 @@ use std::os::fd::AsRawFd;
 
 use io_uring::{IoUring, opcode, types};
 
-use crate::engine::{IoDone, IoKind, IoOp, MAX_IN_FLIGHT, finish};
+use crate::buffer::AlignedBuf;
+use crate::engine::{IoBuf, IoDone, IoKind, IoOp, MAX_IN_FLIGHT, finish};
 
 thread_local! {
     static RING: RefCell<Option<IoUring>> = const { RefCell::new(None) };
@@ -47,20 +48,25 @@ pub(crate) fn probe() -> io::Result<()> {
 }
 
 struct Pending<'f> {
-    op: IoOp<'f>,
+    /// `None` once completed and handed to the callback.
+    op: Option<IoOp<'f>>,
     done: usize,
     err: Option<io::Error>,
-    finished: bool,
 }
 
-/// Runs a batch on this thread's ring (created on first use).
-pub(crate) fn run_batch(ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone> {
+/// Runs a batch on this thread's ring (created on first use), calling `f`
+/// on each op as it completes, while the others are still in flight.
+pub(crate) fn run_batch_map<T, F>(ops: Vec<IoOp<'_>>, in_flight: usize, f: &F) -> Vec<(IoDone, T)>
+where
+    T: Send,
+    F: Fn(usize, &IoDone) -> T + Sync,
+{
     RING.with(|cell| {
         let mut slot = match cell.try_borrow_mut() {
             Ok(s) => s,
-            // Re-entrancy cannot happen (no callbacks run inside a batch),
-            // but fall back to the thread pool rather than panic if it did.
-            Err(_) => return crate::threads::run_batch(ops, in_flight),
+            // Re-entrancy (a callback running a batch of its own) gets the
+            // thread pool rather than a second borrow of this ring.
+            Err(_) => return crate::threads::run_batch_map(ops, in_flight, f),
         };
         if slot.is_none() {
             match IoUring::new(MAX_IN_FLIGHT as u32) {
@@ -68,29 +74,33 @@ pub(crate) fn run_batch(ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone> {
                 Err(e) => {
                     tracing::warn!("cannot create io_uring ({e}); running batch on threads");
                     drop(slot);
-                    return crate::threads::run_batch(ops, in_flight);
+                    return crate::threads::run_batch_map(ops, in_flight, f);
                 }
             }
         }
         match slot.as_mut() {
-            Some(ring) => drive(ring, ops, in_flight),
-            None => crate::threads::run_batch(ops, in_flight),
+            Some(ring) => drive(ring, ops, in_flight, f),
+            None => crate::threads::run_batch_map(ops, in_flight, f),
         }
     })
 }
 
-fn drive(ring: &mut IoUring, ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone> {
+fn drive<T, F>(ring: &mut IoUring, ops: Vec<IoOp<'_>>, in_flight: usize, f: &F) -> Vec<(IoDone, T)>
+where
+    F: Fn(usize, &IoDone) -> T,
+{
     let n = ops.len();
     let mut ps: Vec<Pending<'_>> = ops
         .into_iter()
         .map(|op| Pending {
-            op,
+            op: Some(op),
             done: 0,
             err: None,
-            finished: false,
         })
         .collect();
+    let mut results: Vec<Option<(IoDone, T)>> = (0..n).map(|_| None).collect();
     let mut queue: VecDeque<usize> = (0..n).collect();
+    let mut ready: Vec<usize> = Vec::new();
     let mut outstanding = 0usize;
     let mut finished = 0usize;
     let mut ring_err: Option<io::Error> = None;
@@ -100,31 +110,30 @@ fn drive(ring: &mut IoUring, ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone
         while ring_err.is_none() && outstanding < in_flight {
             let Some(i) = queue.pop_front() else { break };
             let p = &mut ps[i];
-            let remaining = p.op.buf.len() - p.done;
+            let Some(op) = p.op.as_mut() else { continue };
+            let remaining = op.buf.len() - p.done;
             if remaining == 0 {
-                p.finished = true;
-                finished += 1;
+                ready.push(i);
                 continue;
             }
             let len = remaining.min(MAX_CHUNK) as u32;
-            let fd = types::Fd(p.op.file.as_raw_fd());
-            let off = p.op.offset + p.done as u64;
-            let sqe = match p.op.kind {
+            let fd = types::Fd(op.file.as_raw_fd());
+            let off = op.offset + p.done as u64;
+            let sqe = match op.kind {
                 // SAFETY (both arms): the buffer is owned by `ps`, which
-                // outlives every in-flight op (we only return after all
-                // completions), and `done + len <= buf.len()`.
+                // outlives every in-flight op (an op leaves `ps` only after
+                // its completion), and `done + len <= buf.len()`.
                 IoKind::Read => {
-                    let Some(b) = p.op.buf.owned_mut() else {
+                    let Some(b) = op.buf.owned_mut() else {
                         // A shared buffer cannot be read into; `finish` reports it.
-                        p.finished = true;
-                        finished += 1;
+                        ready.push(i);
                         continue;
                     };
                     let ptr = unsafe { b.as_mut_ptr().add(p.done) };
                     opcode::Read::new(fd, ptr, len).offset(off).build()
                 }
                 IoKind::Write => {
-                    let ptr = unsafe { p.op.buf.as_ptr().add(p.done) };
+                    let ptr = unsafe { op.buf.as_ptr().add(p.done) };
                     opcode::Write::new(fd, ptr, len).offset(off).build()
                 }
             }
@@ -137,78 +146,80 @@ fn drive(ring: &mut IoUring, ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone
             }
             outstanding += 1;
         }
-        if outstanding == 0 {
-            // Nothing in the kernel: either all done, or the ring failed and
-            // the rest must be failed without submission.
-            if let Some(e) = &ring_err {
-                while let Some(i) = queue.pop_front() {
-                    let p = &mut ps[i];
-                    p.err = Some(io::Error::new(e.kind(), e.to_string()));
-                    p.finished = true;
-                    finished += 1;
-                }
+        if outstanding == 0 && ready.is_empty() {
+            // Nothing in the kernel and nothing to hand back: the ring
+            // failed, so the rest fail without submission.
+            let Some(e) = &ring_err else { break };
+            while let Some(i) = queue.pop_front() {
+                ps[i].err = Some(io::Error::new(e.kind(), e.to_string()));
+                ready.push(i);
             }
-            if finished < n && queue.is_empty() {
-                break; // cannot happen; guards against an endless loop
-            }
-            continue;
         }
-        if let Err(e) = ring.submit_and_wait(1) {
-            if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EBUSY) {
-                continue;
+        if outstanding > 0 {
+            if let Err(e) = ring.submit_and_wait(1) {
+                if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EBUSY) {
+                    continue;
+                }
+                if ring_err.is_none() {
+                    ring_err = Some(e);
+                    continue;
+                }
+                // Waiting itself keeps failing with ops still in the kernel:
+                // the buffers cannot be freed safely. Leak them and fail.
+                tracing::error!(
+                    "io_uring wait failed with {outstanding} ops in flight; leaking their buffers"
+                );
+                std::mem::forget(ps);
+                return (0..n)
+                    .map(|i| {
+                        let done = IoDone {
+                            buf: IoBuf::Owned(AlignedBuf::empty()),
+                            result: Err(io::Error::other("io_uring failed with ops in flight")),
+                        };
+                        let t = f(i, &done);
+                        (done, t)
+                    })
+                    .collect();
             }
-            if ring_err.is_none() {
-                ring_err = Some(e);
-                continue;
-            }
-            // Waiting itself keeps failing with ops still in the kernel: the
-            // buffers cannot be freed safely. Leak them and fail the batch.
-            tracing::error!(
-                "io_uring wait failed with {outstanding} ops in flight; leaking their buffers"
-            );
-            let err = io::Error::other("io_uring failed with ops in flight");
-            let out = (0..n)
-                .map(|_| IoDone {
-                    buf: crate::engine::IoBuf::Owned(crate::buffer::AlignedBuf::empty()),
-                    result: Err(io::Error::new(err.kind(), err.to_string())),
-                })
+            let cqes: Vec<(u64, i32)> = ring
+                .completion()
+                .map(|c| (c.user_data(), c.result()))
                 .collect();
-            std::mem::forget(ps);
-            return out;
-        }
-        let cqes: Vec<(u64, i32)> = ring
-            .completion()
-            .map(|c| (c.user_data(), c.result()))
-            .collect();
-        for (ud, res) in cqes {
-            let i = ud as usize;
-            let Some(p) = ps.get_mut(i) else { continue };
-            outstanding -= 1;
-            if res < 0 {
-                let errno = -res;
-                if errno == libc::EINTR || errno == libc::EAGAIN {
-                    queue.push_back(i);
+            for (ud, res) in cqes {
+                let i = ud as usize;
+                let Some(p) = ps.get_mut(i) else { continue };
+                let Some(op) = p.op.as_ref() else { continue };
+                outstanding -= 1;
+                if res < 0 {
+                    let errno = -res;
+                    if errno == libc::EINTR || errno == libc::EAGAIN {
+                        queue.push_back(i);
+                    } else {
+                        p.err = Some(io::Error::from_raw_os_error(errno));
+                        ready.push(i);
+                    }
+                } else if res == 0 {
+                    // End of file for reads; a zero-byte write is reported by `finish`.
+                    ready.push(i);
                 } else {
-                    p.err = Some(io::Error::from_raw_os_error(errno));
-                    p.finished = true;
-                    finished += 1;
-                }
-            } else if res == 0 {
-                // End of file for reads; a zero-byte write is reported by `finish`.
-                p.finished = true;
-                finished += 1;
-            } else {
-                p.done += res as usize;
-                if p.done >= p.op.buf.len() {
-                    p.finished = true;
-                    finished += 1;
-                } else {
-                    queue.push_back(i);
+                    p.done += res as usize;
+                    if p.done >= op.buf.len() {
+                        ready.push(i);
+                    } else {
+                        queue.push_back(i);
+                    }
                 }
             }
+        }
+        // Hand completed ops to the callback while the rest stay in flight.
+        for i in ready.drain(..) {
+            let p = &mut ps[i];
+            let Some(op) = p.op.take() else { continue };
+            let done = finish(op.kind, op.buf, p.done, p.err.take());
+            let t = f(i, &done);
+            results[i] = Some((done, t));
+            finished += 1;
         }
     }
-    ps.into_iter()
-        .map(|p| finish(p.op.kind, p.op.buf, p.done, p.err))
-        .collect()
+    results.into_iter().flatten().collect()
 }

@@ -3,9 +3,11 @@
 //!
 //! # Layout on disk
 //!
-//! All blocks of one store have one size, so G3 is an array of fixed-size
-//! **slots** in large preallocated (sparse) **segment files**:
-//! `DIR/kvtier-g3/slots-<slot_bytes>/seg-<n>.kvt`. Slot `s` lives in
+//! All blocks of one store have one layout and so one size, so G3 is an
+//! array of fixed-size **slots** in large preallocated (sparse) **segment
+//! files**: `DIR/kvtier-g3/<layout>/seg-<n>.kvt`, where `<layout>` names
+//! layers, KV heads, head dim, block tokens and dtype (e.g.
+//! `l2-h2-d64-t16-f32`), so stores of different layouts never share slots. Slot `s` lives in
 //! directory `s % dirs` (striping), at local index `s / dirs`, in segment
 //! `local / slots_per_segment` at offset `(local % slots_per_segment) *
 //! slot_bytes`. No log, no compaction: a put overwrites a whole slot with one
@@ -16,8 +18,9 @@
 //! The in-memory index (key -> slot) is rebuilt at open by reading every
 //! slot's header (4 KiB each, many in flight). A header that fails its
 //! checksum, or belongs to another layout, marks the slot free. Every read
-//! verifies the whole block (header and payload checksums and the key)
-//! before serving it, so a block that was not fully written (a crash
+//! verifies the whole block (header and payload checksums, the key and the
+//! layout) before serving it, as each read completes while the others are
+//! still in flight, so a block that was not fully written (a crash
 //! mid-write, a truncated segment) is never served: it is a miss, it is
 //! removed from the index and its header is wiped. Evicted blocks are only
 //! dropped from the index; if the process dies before their slot is reused
@@ -44,12 +47,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_io::{
-    AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, IoEngine, IoOp, open_direct, probe_direct,
+    AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, IoDone, IoEngine, IoOp, open_direct, probe_direct,
 };
 use parking_lot::Mutex;
 
 use crate::block::{BlockError, BlockHeader, HEADER_BYTES, decode_block};
 use crate::key::BlockKey;
+use crate::layout::KvLayout;
 use crate::metrics::TierMetrics;
 
 /// Configuration of a [`DiskTier`].
@@ -59,8 +63,8 @@ pub struct DiskConfig {
     pub dirs: Vec<PathBuf>,
     /// Bytes of slots in all (rounded down to whole slots per directory).
     pub capacity_bytes: u64,
-    /// Bytes of one slot: the encoded block size, a multiple of 4 KiB.
-    pub slot_bytes: u64,
+    /// Layout of every block; one slot holds one encoded block of it.
+    pub layout: KvLayout,
     /// Bytes of one segment file (rounded down to whole slots; at least one).
     pub segment_bytes: u64,
     /// Reads or writes in flight per batch.
@@ -72,11 +76,11 @@ pub struct DiskConfig {
 impl DiskConfig {
     /// A configuration with defaults: 1 GiB segments, 32 in flight, probed
     /// direct I/O.
-    pub fn new(dirs: Vec<PathBuf>, capacity_bytes: u64, slot_bytes: u64) -> Self {
+    pub fn new(dirs: Vec<PathBuf>, capacity_bytes: u64, layout: KvLayout) -> Self {
         Self {
             dirs,
             capacity_bytes,
-            slot_bytes,
+            layout,
             segment_bytes: 1 << 30,
             in_flight: 32,
             direct: None,
@@ -98,6 +102,9 @@ pub enum DiskError {
         /// Underlying error.
         source: io::Error,
     },
+    /// The layout is invalid.
+    #[error("bad G3 layout: {0}")]
+    Layout(#[from] BlockError),
     /// A block has the wrong size for this tier's slots.
     #[error("block of {got} bytes does not fit G3 slots of {slot} bytes")]
     WrongSize {
@@ -181,6 +188,7 @@ struct State {
 /// The G3 tier. Thread-safe; every method takes `&self`.
 #[derive(Debug)]
 pub struct DiskTier {
+    layout: KvLayout,
     slot_bytes: usize,
     slots_per_segment: u64,
     dirs: Vec<PathBuf>,
@@ -204,12 +212,8 @@ impl DiskTier {
         alloc: Arc<dyn HostAllocator>,
         metrics: TierMetrics,
     ) -> Result<Self, DiskError> {
-        let slot_bytes = config.slot_bytes;
-        if slot_bytes == 0 || !slot_bytes.is_multiple_of(DIRECT_IO_ALIGN as u64) {
-            return Err(DiskError::Config(format!(
-                "slot size {slot_bytes} must be a positive multiple of {DIRECT_IO_ALIGN}"
-            )));
-        }
+        config.layout.validate()?;
+        let slot_bytes = config.layout.encoded_bytes();
         if config.dirs.is_empty() {
             return Err(DiskError::Config("no G3 directory given".into()));
         }
@@ -235,7 +239,7 @@ impl DiskTier {
         let mut direct = true;
         let mut direct_reason = None;
         for root in &config.dirs {
-            let dir = root.join("kvtier-g3").join(format!("slots-{slot_bytes}"));
+            let dir = Self::slot_dir(root, &config.layout);
             std::fs::create_dir_all(&dir).map_err(|source| DiskError::Open {
                 path: dir.clone(),
                 source,
@@ -291,6 +295,7 @@ impl DiskTier {
 
         metrics.capacity_bytes.set((total * slot_bytes) as i64);
         let tier = Self {
+            layout: config.layout,
             slot_bytes: slot_bytes as usize,
             slots_per_segment,
             dirs,
@@ -635,21 +640,27 @@ impl DiskTier {
                     IoOp::read(file, off, buf)
                 })
                 .collect();
+            // Each block is verified as its read completes, while the rest
+            // are still in flight, so checksums overlap I/O.
+            let verify = |j: usize, d: &IoDone| -> Option<Result<(), BlockError>> {
+                let key = plan.get(j).map(|p| p.1)?;
+                d.result.as_ref().ok()?;
+                Some(self.verify(&d.buf, &key))
+            };
             let t = Instant::now();
-            let done = self.engine.run_batch(ops, in_flight);
+            let done = self.engine.run_batch_map(ops, in_flight, verify);
             self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
             let mut corrupt: Vec<u32> = Vec::new();
             let mut finished = Vec::with_capacity(plan.len());
-            for (&(i, key, slot), d) in plan.iter().zip(done) {
+            for (&(i, key, slot), (d, verified)) in plan.iter().zip(done) {
                 let Some(buf) = d.buf.into_owned() else {
                     continue;
                 };
-                let outcome = match d.result {
-                    Err(e) => ReadOutcome::Io(e),
-                    Ok(_) => match decode_block(&buf, Some(&key)) {
-                        Ok(_) => ReadOutcome::Hit,
-                        Err(e) => ReadOutcome::Corrupt(e),
-                    },
+                let outcome = match (d.result, verified) {
+                    (Err(e), _) => ReadOutcome::Io(e),
+                    (Ok(_), Some(Ok(()))) => ReadOutcome::Hit,
+                    (Ok(_), Some(Err(e))) => ReadOutcome::Corrupt(e),
+                    (Ok(_), None) => ReadOutcome::Io(io::Error::other("read not verified")),
                 };
                 finished.push((i, key, slot, buf, outcome));
             }
@@ -766,8 +777,32 @@ impl DiskTier {
         Ok(())
     }
 
-    /// The directory a store rooted at `root` uses for `slot_bytes` slots.
-    pub fn slot_dir(root: &Path, slot_bytes: u64) -> PathBuf {
-        root.join("kvtier-g3").join(format!("slots-{slot_bytes}"))
+    /// The directory a store rooted at `root` uses for blocks of `layout`.
+    pub fn slot_dir(root: &Path, layout: &KvLayout) -> PathBuf {
+        root.join("kvtier-g3").join(format!(
+            "l{}-h{}-d{}-t{}-{}",
+            layout.layers,
+            layout.kv_heads,
+            layout.head_dim,
+            layout.block_tokens,
+            layout.dtype.name()
+        ))
+    }
+
+    /// The layout of every block in this tier.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Full verification of one read slot: checksums, key and layout.
+    fn verify(&self, bytes: &[u8], key: &BlockKey) -> Result<(), BlockError> {
+        let (header, _) = decode_block(bytes, Some(key))?;
+        if header.layout != self.layout {
+            return Err(BlockError::BadLayout(format!(
+                "block has layout {}, this tier holds {}",
+                header.layout, self.layout
+            )));
+        }
+        Ok(())
     }
 }

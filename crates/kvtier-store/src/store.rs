@@ -38,7 +38,7 @@ pub struct StoreConfig {
     pub fingerprint: ModelFingerprint,
     /// G2 capacity in bytes (0: no G2; puts go straight to write-back).
     pub memory_bytes: u64,
-    /// G3, if any. Its `slot_bytes` is set from the layout.
+    /// G3, if any. Its `layout` is set from this config's.
     pub disk: Option<DiskConfig>,
     /// Write a block to G3 only once it was seen twice (put or hit).
     pub admit_on_second_sighting: bool,
@@ -216,7 +216,7 @@ impl TieredStore {
         let pending = Arc::new(Pending::default());
         let (disk, tx, writer) = match config.disk {
             Some(mut dc) => {
-                dc.slot_bytes = config.layout.encoded_bytes();
+                dc.layout = config.layout;
                 let disk = Arc::new(DiskTier::open(
                     dc,
                     engine.clone(),

@@ -93,7 +93,7 @@ fn reopening_with_a_layout_of_another_slot_size_sees_none_of_the_old_blocks() {
     store.put_many(&refs).unwrap();
     store.close().unwrap();
     assert!(
-        kvtier_store::DiskTier::slot_dir(dir.path(), other_slot).is_dir(),
+        kvtier_store::DiskTier::slot_dir(dir.path(), &other_size_layout()).is_dir(),
         "other layout has its own slot directory"
     );
 

@@ -146,7 +146,7 @@ pub fn assert_all_hits(keys: &[BlockKey], got: &[Option<StoredBlock>]) -> Vec<kv
 /// A G3 config on `dir` of `slots` slots of [`SLOT`] bytes, with segments
 /// of `segment_slots` slots.
 pub fn disk_config(dir: &Path, slots: u64, segment_slots: u64) -> DiskConfig {
-    let mut dc = DiskConfig::new(vec![dir.to_path_buf()], slots * SLOT, SLOT);
+    let mut dc = DiskConfig::new(vec![dir.to_path_buf()], slots * SLOT, layout());
     dc.segment_bytes = segment_slots * SLOT;
     dc.in_flight = 8;
     dc
@@ -223,7 +223,7 @@ pub fn metric(text: &str, name: &str, tier: &str) -> f64 {
 
 /// The segment directory of a store rooted at `root` with [`layout`].
 pub fn slot_dir(root: &Path) -> PathBuf {
-    DiskTier::slot_dir(root, SLOT)
+    DiskTier::slot_dir(root, &layout())
 }
 
 /// Flips every bit of the byte at `offset` in `path`, with plain buffered

@@ -1,0 +1,327 @@
+//! The scheduler: one thread owns the [`Engine`] and serves many requests.
+//!
+//! * **Dynamic batching of arrivals**: when idle, the first request opens a
+//!   window; the scheduler admits up to `max_batch` requests or waits at most
+//!   `max_wait` (the brief's "8 requests or 50 ms"), then prefills them.
+//! * **Continuous batching of decode**: every step runs one decode token of
+//!   every active sequence in one forward pass; finished sequences leave and
+//!   queued requests join between steps.
+//! * **Fairness**: requests are admitted first come, first served, at most
+//!   `max_batch` run at once, and each decode step serves every active
+//!   sequence once, so 16 concurrent clients each get a token per step.
+//!
+//! A request whose receiver is dropped (client gone, stop string matched) is
+//! finished at the next step.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::engine::{CachedTokens, Engine, SeqId};
+use crate::sampling::{Sampler, SamplingParams};
+
+/// Batching limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// Most sequences decoded together (and admitted per window).
+    pub max_batch: usize,
+    /// Longest wait for more arrivals once the first one came, when idle.
+    pub max_wait: Duration,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 8,
+            max_wait: Duration::from_millis(50),
+        }
+    }
+}
+
+/// One generation request.
+#[derive(Debug)]
+pub struct GenerateRequest {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate (at least 1).
+    pub max_tokens: usize,
+    /// How to pick tokens.
+    pub sampling: SamplingParams,
+    /// Token ids that end generation (not emitted).
+    pub stop_tokens: Vec<u32>,
+    /// Where events go.
+    pub events: Sender<GenerateEvent>,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token was produced.
+    Stop,
+    /// `max_tokens` reached (or the context is full).
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI's name for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// What the scheduler reports for a request, in order: `Started`, any number
+/// of `Token`, then `Finished` (or `Failed` at any point).
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenerateEvent {
+    /// The prompt was prefilled.
+    Started {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Prompt tokens served from cache, by tier.
+        cached: CachedTokens,
+        /// Seconds from arrival to the first token being known (TTFT).
+        ttft_seconds: f64,
+        /// KV bytes restored from the store.
+        restored_bytes: u64,
+    },
+    /// One generated token.
+    Token(u32),
+    /// Generation ended.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Tokens generated.
+        completion_tokens: usize,
+    },
+    /// The request failed (bad prompt, pool exhausted, ...).
+    Failed(String),
+}
+
+struct Active {
+    seq: SeqId,
+    sampler: Sampler,
+    next: u32,
+    generated: usize,
+    max_tokens: usize,
+    stop: Vec<u32>,
+    events: Sender<GenerateEvent>,
+}
+
+struct Queued {
+    req: GenerateRequest,
+    arrived: Instant,
+}
+
+/// A handle to the scheduler thread. Dropping it stops the thread after the
+/// active requests finish.
+#[derive(Debug)]
+pub struct Scheduler {
+    tx: Option<Sender<(GenerateRequest, Instant)>>,
+    handle: Option<JoinHandle<Engine>>,
+}
+
+impl Scheduler {
+    /// Starts the scheduler thread around `engine`.
+    pub fn start(engine: Engine, cfg: BatchConfig) -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::channel();
+        let handle = std::thread::Builder::new()
+            .name("kvtier-scheduler".into())
+            .spawn(move || run(engine, cfg, rx))?;
+        Ok(Self {
+            tx: Some(tx),
+            handle: Some(handle),
+        })
+    }
+
+    /// Queues a request; events arrive on its sender. False if stopped.
+    pub fn submit(&self, req: GenerateRequest) -> bool {
+        match &self.tx {
+            Some(tx) => tx.send((req, Instant::now())).is_ok(),
+            None => false,
+        }
+    }
+
+    /// Stops accepting requests, lets active ones finish, and returns the
+    /// engine (whose drop flushes its store).
+    pub fn shutdown(mut self) -> Option<Engine> {
+        self.tx.take();
+        self.handle.take().and_then(|h| h.join().ok())
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn run(mut engine: Engine, cfg: BatchConfig, rx: Receiver<(GenerateRequest, Instant)>) -> Engine {
+    let max_batch = cfg.max_batch.max(1);
+    let mut queue: VecDeque<Queued> = VecDeque::new();
+    let mut active: Vec<Active> = Vec::new();
+    let mut open = true;
+    loop {
+        // Gather arrivals.
+        if active.is_empty() && queue.is_empty() {
+            if !open {
+                break;
+            }
+            match rx.recv() {
+                Ok((req, arrived)) => queue.push_back(Queued { req, arrived }),
+                Err(_) => break,
+            }
+            let deadline = Instant::now() + cfg.max_wait;
+            while queue.len() < max_batch {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match rx.recv_timeout(left) {
+                    Ok((req, arrived)) => queue.push_back(Queued { req, arrived }),
+                    Err(RecvTimeoutError::Timeout) => break,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+        } else if open {
+            loop {
+                match rx.try_recv() {
+                    Ok((req, arrived)) => queue.push_back(Queued { req, arrived }),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+        }
+        // Admit (first come, first served) up to the batch limit.
+        while active.len() < max_batch {
+            let Some(q) = queue.pop_front() else { break };
+            if let Some(a) = admit(&mut engine, q) {
+                active.push(a);
+            }
+        }
+        if active.is_empty() {
+            continue;
+        }
+        step(&mut engine, &mut active);
+    }
+    engine
+}
+
+fn admit(engine: &mut Engine, q: Queued) -> Option<Active> {
+    let Queued { req, arrived } = q;
+    let prefill = match engine.prefill(&req.prompt) {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = req.events.send(GenerateEvent::Failed(e.to_string()));
+            return None;
+        }
+    };
+    let mut sampler = Sampler::new(req.sampling);
+    let next = sampler.sample(&prefill.logits);
+    let started = GenerateEvent::Started {
+        prompt_tokens: req.prompt.len(),
+        cached: prefill.cached,
+        ttft_seconds: arrived.elapsed().as_secs_f64(),
+        restored_bytes: prefill.restored_bytes,
+    };
+    if req.events.send(started).is_err() {
+        engine.finish(prefill.seq);
+        return None;
+    }
+    let mut a = Active {
+        seq: prefill.seq,
+        sampler,
+        next,
+        generated: 0,
+        max_tokens: req.max_tokens.max(1),
+        stop: req.stop_tokens,
+        events: req.events,
+    };
+    if emit(&mut a) {
+        engine.finish(a.seq);
+        return None;
+    }
+    Some(a)
+}
+
+/// Emits `a.next`; returns true when the request is done (and was told so).
+fn emit(a: &mut Active) -> bool {
+    if a.stop.contains(&a.next) {
+        let _ = a.events.send(GenerateEvent::Finished {
+            reason: FinishReason::Stop,
+            completion_tokens: a.generated,
+        });
+        return true;
+    }
+    a.generated += 1;
+    if a.events.send(GenerateEvent::Token(a.next)).is_err() {
+        return true;
+    }
+    if a.generated >= a.max_tokens {
+        let _ = a.events.send(GenerateEvent::Finished {
+            reason: FinishReason::Length,
+            completion_tokens: a.generated,
+        });
+        return true;
+    }
+    false
+}
+
+fn step(engine: &mut Engine, active: &mut Vec<Active>) {
+    let steps: Vec<(SeqId, u32)> = active.iter().map(|a| (a.seq, a.next)).collect();
+    match engine.decode(&steps) {
+        Ok(logits) => {
+            let mut done = Vec::new();
+            for (i, (a, l)) in active.iter_mut().zip(logits).enumerate() {
+                a.next = a.sampler.sample(&l);
+                if emit(a) {
+                    done.push(i);
+                }
+            }
+            for i in done.into_iter().rev() {
+                let a = active.swap_remove(i);
+                engine.finish(a.seq);
+            }
+        }
+        Err(e) => {
+            // A batch failure (context limit of one sequence, pool full):
+            // retry each sequence alone so one bad apple ends only itself.
+            let msg = e.to_string();
+            let mut keep = Vec::new();
+            for mut a in active.drain(..) {
+                match engine.decode(&[(a.seq, a.next)]) {
+                    Ok(l) => {
+                        a.next = a.sampler.sample(&l[0]);
+                        if emit(&mut a) {
+                            engine.finish(a.seq);
+                        } else {
+                            keep.push(a);
+                        }
+                    }
+                    Err(e1) => {
+                        let reason = if e1.to_string().contains("context limit") {
+                            GenerateEvent::Finished {
+                                reason: FinishReason::Length,
+                                completion_tokens: a.generated,
+                            }
+                        } else {
+                            GenerateEvent::Failed(format!("{e1} (batch: {msg})"))
+                        };
+                        let _ = a.events.send(reason);
+                        engine.finish(a.seq);
+                    }
+                }
+            }
+            *active = keep;
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! The scheduler serves concurrent requests with continuous batching and
+//! gives each the same tokens it would get alone.
+
+// Test helpers outside #[test] fns may unwrap: a failure there is a test failure.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kvtier_engine::sampling::SamplingParams;
+use kvtier_engine::scheduler::{
+    BatchConfig, FinishReason, GenerateEvent, GenerateRequest, Scheduler,
+};
+use kvtier_engine::{Engine, EngineOptions, Preset, write_preset};
+
+fn engine(dir: &std::path::Path) -> Engine {
+    let opts = EngineOptions {
+        block_tokens: 16,
+        pool_pages: 128,
+        max_seq_tokens: 512,
+        ..Default::default()
+    };
+    Engine::load(dir, opts, None).unwrap()
+}
+
+fn run_one(s: &Scheduler, prompt: Vec<u32>, max_tokens: usize) -> mpsc::Receiver<GenerateEvent> {
+    let (tx, rx) = mpsc::channel();
+    assert!(s.submit(GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_tokens: vec![],
+        events: tx,
+    }));
+    rx
+}
+
+fn collect(rx: mpsc::Receiver<GenerateEvent>) -> (Vec<u32>, FinishReason) {
+    let mut tokens = Vec::new();
+    let first = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    assert!(matches!(first, GenerateEvent::Started { .. }), "{first:?}");
+    loop {
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            GenerateEvent::Token(t) => tokens.push(t),
+            GenerateEvent::Finished {
+                reason,
+                completion_tokens,
+            } => {
+                assert_eq!(completion_tokens, tokens.len());
+                return (tokens, reason);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn concurrent_requests_get_the_tokens_they_would_get_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, 5, dir.path()).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|s| (0..(20 + 7 * s)).map(|i| (i * 5 + s * 17) % 256).collect())
+        .collect();
+    let alone: Vec<Vec<u32>> = {
+        let s = Scheduler::start(engine(dir.path()), BatchConfig::default()).unwrap();
+        prompts
+            .iter()
+            .map(|p| collect(run_one(&s, p.clone(), 10)).0)
+            .collect()
+    };
+    let s = Scheduler::start(
+        engine(dir.path()),
+        BatchConfig {
+            max_batch: 4,
+            max_wait: Duration::from_millis(20),
+        },
+    )
+    .unwrap();
+    let rxs: Vec<_> = prompts.iter().map(|p| run_one(&s, p.clone(), 10)).collect();
+    for (rx, want) in rxs.into_iter().zip(&alone) {
+        let (got, reason) = collect(rx);
+        assert_eq!(&got, want);
+        assert_eq!(reason, FinishReason::Length);
+    }
+    assert!(s.shutdown().is_some());
+}
+
+#[test]
+fn stop_tokens_end_generation_and_bad_prompts_fail_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, 6, dir.path()).unwrap();
+    let s = Scheduler::start(engine(dir.path()), BatchConfig::default()).unwrap();
+    let prompt: Vec<u32> = (0..30).collect();
+    let (free, _) = collect(run_one(&s, prompt.clone(), 8));
+    // Stop on the third generated token: only two are emitted.
+    let (tx, rx) = mpsc::channel();
+    s.submit(GenerateRequest {
+        prompt: prompt.clone(),
+        max_tokens: 8,
+        sampling: SamplingParams::default(),
+        stop_tokens: vec![free[2]],
+        events: tx,
+    });
+    let (stopped, reason) = collect(rx);
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(stopped, free[..stopped.len()].to_vec());
+    assert!(stopped.len() <= 2);
+    // An out-of-vocabulary prompt fails; the next request is served.
+    let rx = run_one(&s, vec![100_000], 4);
+    assert!(matches!(rx.recv().unwrap(), GenerateEvent::Failed(_)));
+    let (ok, _) = collect(run_one(&s, prompt, 3));
+    assert_eq!(ok, free[..3].to_vec());
+}
