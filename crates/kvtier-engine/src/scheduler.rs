@@ -87,6 +87,8 @@ pub enum GenerateEvent {
         ttft_seconds: f64,
         /// KV bytes restored from the store.
         restored_bytes: u64,
+        /// Seconds the engine spent restoring them.
+        restore_seconds: f64,
     },
     /// One generated token.
     Token(u32),
@@ -232,6 +234,7 @@ fn admit(engine: &mut Engine, q: Queued) -> Option<Active> {
         cached: prefill.cached,
         ttft_seconds: arrived.elapsed().as_secs_f64(),
         restored_bytes: prefill.restored_bytes,
+        restore_seconds: prefill.restore_seconds,
     };
     if req.events.send(started).is_err() {
         engine.finish(prefill.seq);

@@ -1,0 +1,276 @@
+//! Runs the cold-recovery workload against a target and builds the report.
+//!
+//! 1. **Pass 1** computes every session's prompt once (kvtier mode, one at a
+//!    time, one output token) so its KV lands in the store; its prefill rate
+//!    gives the compute part of the TTFT floor.
+//! 2. **Pass 2**, for each concurrency: a baseline run (prefix reuse off:
+//!    recompute) and a kvtier run (G1 dropped, and G2 too by default, so the
+//!    prefix is restored from G3), interleaved, with the device's raw read
+//!    limit measured between runs. Energy is read around each run.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use kvtier_energy::{CostModel, MeterOptions, PowerMeter, best_meter};
+
+use crate::error::BenchError;
+use crate::gates::Gates;
+use crate::report::{
+    BenchReport, MachineInfo, Mode, RequestRecord, RunSummary, TierTokens, ratios,
+};
+use crate::stats::{Percentiles, percentile};
+use crate::target::Target;
+use crate::workload::{ColdRecoveryConfig, Session, sessions};
+
+/// Measurements the caller provides (they live with the I/O tools).
+pub struct Hooks<'a> {
+    /// Measures the device's raw read limit once, in GB/s.
+    pub device_limit: &'a mut dyn FnMut() -> Result<f64, String>,
+    /// Drops the page cache (best effort).
+    pub drop_page_cache: &'a mut dyn FnMut(),
+}
+
+/// Options of a run.
+pub struct RunOptions {
+    /// The workload.
+    pub workload: ColdRecoveryConfig,
+    /// The gates.
+    pub gates: Gates,
+    /// The cost model.
+    pub cost: CostModel,
+    /// How to pick the power meter.
+    pub meter: MeterOptions,
+    /// Show progress bars (stderr).
+    pub progress: bool,
+}
+
+fn bar(len: u64, msg: String, show: bool) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(len);
+    if let Ok(style) =
+        ProgressStyle::with_template("{msg:<28} [{bar:30}] {pos}/{len} requests {elapsed_precise}")
+    {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb.set_message(msg);
+    pb.enable_steady_tick(Duration::from_millis(250));
+    pb
+}
+
+/// Runs every session once with `concurrency` clients.
+fn run_clients(
+    target: &dyn Target,
+    sessions: &[Session],
+    concurrency: u32,
+    max_tokens: usize,
+    pb: &ProgressBar,
+) -> (Vec<RequestRecord>, f64) {
+    let next = AtomicUsize::new(0);
+    let records = Mutex::new(Vec::with_capacity(sessions.len()));
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..concurrency.max(1) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(session) = sessions.get(i) else {
+                        break;
+                    };
+                    let rec = target.request(session, max_tokens);
+                    pb.inc(1);
+                    records.lock().unwrap_or_else(|p| p.into_inner()).push(rec);
+                }
+            });
+        }
+    });
+    let wall = t0.elapsed().as_secs_f64();
+    let mut recs = records.into_inner().unwrap_or_else(|p| p.into_inner());
+    recs.sort_by_key(|r| r.session);
+    (recs, wall)
+}
+
+struct Context {
+    device_limit_gbps: f64,
+    prefill_tok_s: f64,
+}
+
+fn summarize(
+    mode: Mode,
+    concurrency: u32,
+    records: Vec<RequestRecord>,
+    wall: f64,
+    joules: f64,
+    cost: &CostModel,
+    ctx: &Context,
+) -> RunSummary {
+    let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.error.is_none()).collect();
+    let ttft: Vec<f64> = ok.iter().map(|r| r.ttft_s).collect();
+    let e2e: Vec<f64> = ok.iter().map(|r| r.e2e_s).collect();
+    let out_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
+    let mut hits = TierTokens::default();
+    for r in &ok {
+        hits.add(r.hit_tokens);
+    }
+    let restored: u64 = ok.iter().map(|r| r.restored_bytes).sum();
+    let restore_s: f64 = ok.iter().map(|r| r.restore_s).sum();
+    let floors: Vec<f64> = ok
+        .iter()
+        .map(|r| {
+            let cached = r.hit_tokens.g1 + r.hit_tokens.g2 + r.hit_tokens.g3;
+            let bytes_s = if ctx.device_limit_gbps > 0.0 {
+                r.restored_bytes as f64 / (ctx.device_limit_gbps * 1e9)
+            } else {
+                0.0
+            };
+            let compute_s = if ctx.prefill_tok_s > 0.0 {
+                r.prompt_tokens.saturating_sub(cached) as f64 / ctx.prefill_tok_s
+            } else {
+                0.0
+            };
+            bytes_s + compute_s
+        })
+        .collect();
+    let tps = if wall > 0.0 {
+        out_tokens as f64 / wall
+    } else {
+        0.0
+    };
+    let avg_watts = if wall > 0.0 { joules / wall } else { 0.0 };
+    let t = Percentiles::of(&ttft);
+    let e = Percentiles::of(&e2e);
+    RunSummary {
+        concurrency,
+        mode,
+        ttft_p50_s: t.p50,
+        ttft_p90_s: t.p90,
+        ttft_p99_s: t.p99,
+        e2e_p50_s: e.p50,
+        e2e_p99_s: e.p99,
+        throughput_tok_s: tps,
+        joules_per_token: if out_tokens > 0 {
+            joules / out_tokens as f64
+        } else {
+            0.0
+        },
+        avg_watts,
+        cost_per_mtok_usd: cost.cost_per_million_tokens(avg_watts, tps).unwrap_or(0.0),
+        restore_gbps: if restore_s > 0.0 {
+            restored as f64 / restore_s / 1e9
+        } else {
+            0.0
+        },
+        floor_ttft_s: percentile(&floors, 50.0).unwrap_or(0.0),
+        hit_tokens: hits,
+        requests: ok.len(),
+        failed: records.len() - ok.len(),
+        wall_s: wall,
+        samples: records,
+    }
+}
+
+/// Runs the cold-recovery workload and returns the report (gates evaluated,
+/// not enforced: the caller decides what a FAIL does).
+pub fn run_cold_recovery(
+    target: &mut dyn Target,
+    opts: &RunOptions,
+    hooks: Hooks<'_>,
+    machine: MachineInfo,
+) -> Result<BenchReport, BenchError> {
+    let cfg = &opts.workload;
+    cfg.validate().map_err(BenchError::Config)?;
+    opts.cost
+        .validate()
+        .map_err(|e| BenchError::Config(e.to_string()))?;
+    let choice = best_meter(&opts.meter)?;
+    let mut meter: Box<dyn PowerMeter> = choice.meter;
+    let started_at = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    let list = sessions(cfg, &|t| target.count_tokens(t));
+    let n = list.len() as u64;
+
+    // Pass 1: compute and store.
+    let pb = bar(n, "pass 1: compute + store".into(), opts.progress);
+    target.begin(Mode::Kvtier, false)?;
+    let (recs, pass1_s) = run_clients(&*target, &list, 1, 1, &pb);
+    target.end()?;
+    pb.finish_and_clear();
+    if let Some(e) = recs.iter().find_map(|r| r.error.clone()) {
+        return Err(BenchError::Target(format!("pass 1 failed: {e}")));
+    }
+    let computed: usize = recs
+        .iter()
+        .map(|r| r.prompt_tokens - (r.hit_tokens.g1 + r.hit_tokens.g2 + r.hit_tokens.g3))
+        .sum();
+    let compute_s: f64 = recs.iter().map(|r| r.ttft_s).sum();
+    let prefill_tok_s = if compute_s > 0.0 {
+        computed as f64 / compute_s
+    } else {
+        0.0
+    };
+
+    let mut limit_samples = Vec::new();
+    let mut sample_limit = |samples: &mut Vec<f64>| match (hooks.device_limit)() {
+        Ok(g) => samples.push(g),
+        Err(e) => tracing::warn!("device limit not measured: {e}"),
+    };
+    sample_limit(&mut limit_samples);
+
+    let mut raw: Vec<(Mode, u32, Vec<RequestRecord>, f64, f64)> = Vec::new();
+    for &c in &cfg.concurrency {
+        for mode in [Mode::Baseline, Mode::Kvtier] {
+            target.begin(mode, cfg.evict_g2)?;
+            if mode == Mode::Kvtier {
+                (hooks.drop_page_cache)();
+            }
+            let pb = bar(
+                n,
+                format!("{} at concurrency {c}", mode.as_str()),
+                opts.progress,
+            );
+            meter.start()?;
+            let (recs, wall) = run_clients(&*target, &list, c, cfg.max_tokens, &pb);
+            let joules = meter.read()?.joules_total();
+            pb.finish_and_clear();
+            target.end()?;
+            raw.push((mode, c, recs, wall, joules));
+            sample_limit(&mut limit_samples);
+        }
+    }
+    let device_limit_gbps = percentile(&limit_samples, 50.0).unwrap_or(0.0);
+    let ctx = Context {
+        device_limit_gbps,
+        prefill_tok_s,
+    };
+    let results: Vec<RunSummary> = raw
+        .into_iter()
+        .map(|(mode, c, recs, wall, joules)| {
+            summarize(mode, c, recs, wall, joules, &opts.cost, &ctx)
+        })
+        .collect();
+    let gates = opts.gates.evaluate(&results);
+    let machine = MachineInfo {
+        device_limit_gbps,
+        device_limit_samples_gbps: limit_samples,
+        io_mode: target.io_mode(),
+        ..machine
+    };
+    Ok(BenchReport {
+        workload: "cold-recovery".into(),
+        target: target.describe(),
+        ratios: ratios(&results),
+        results,
+        gates,
+        energy_meter: meter.name().to_string(),
+        energy_modelled: matches!(meter.kind(), kvtier_energy::MeterKind::Modelled),
+        energy_meter_reason: choice.reason,
+        cost_model: serde_json::to_value(&opts.cost).unwrap_or_default(),
+        machine,
+        config: serde_json::to_value(cfg).unwrap_or_default(),
+        prefill_tok_s,
+        pass1_s,
+        started_at,
+    })
+}

@@ -1,0 +1,24 @@
+//! What a benchmark drives: the in-process engine, or an OpenAI-compatible
+//! endpoint.
+
+use crate::error::BenchError;
+use crate::report::{Mode, RequestRecord};
+use crate::workload::Session;
+
+/// A system under test.
+pub trait Target: Sync {
+    /// One line naming it.
+    fn describe(&self) -> String;
+    /// Length of `text` in the target's tokens.
+    fn count_tokens(&self, text: &str) -> usize;
+    /// Prepares a run in `mode`: baseline turns prefix reuse off, kvtier
+    /// turns it on; both drop G1 (and kvtier G2 too when `evict_g2`) so the
+    /// run starts cold. Targets that cannot switch modes return an error.
+    fn begin(&mut self, mode: Mode, evict_g2: bool) -> Result<(), BenchError>;
+    /// Serves one request; called from many client threads at once.
+    fn request(&self, session: &Session, max_tokens: usize) -> RequestRecord;
+    /// Ends a run (and, after pass 1, makes sure every block was stored).
+    fn end(&mut self) -> Result<(), BenchError>;
+    /// The G3 I/O mode, for the report.
+    fn io_mode(&self) -> String;
+}

@@ -1,0 +1,118 @@
+//! A tiny cold-recovery run end to end: the report has its structure, and
+//! restoring beat recomputing.
+
+// Test helpers outside #[test] fns may unwrap: a failure there is a test failure.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use kvtier_bench::inproc::InProcess;
+use kvtier_bench::report::MachineInfo;
+use kvtier_bench::{ColdRecoveryConfig, Gates, Hooks, Mode, RunOptions, run_cold_recovery};
+use kvtier_energy::{CostModel, MeterOptions};
+use kvtier_engine::scheduler::BatchConfig;
+use kvtier_engine::tokenizer::TextTokenizer;
+use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
+
+#[test]
+fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
+    let model = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, 9, model.path()).unwrap();
+    let opts = EngineOptions {
+        block_tokens: 16,
+        pool_pages: 256,
+        max_seq_tokens: 2048,
+        ..Default::default()
+    };
+    let store = StoreOptions {
+        memory_bytes: 32 << 20,
+        disk_dirs: vec![cache.path().to_path_buf()],
+        disk_bytes: 64 << 20,
+    };
+    let engine = Engine::load(model.path(), opts, Some(store)).unwrap();
+    let tok = TextTokenizer::from_dir(model.path()).unwrap();
+    let batch = BatchConfig {
+        max_batch: 4,
+        max_wait: Duration::from_millis(5),
+    };
+    let mut target = InProcess::new(engine, tok, batch, "tiny in-process".into());
+    let workload = ColdRecoveryConfig {
+        sessions: 4,
+        shared_tokens: 64,
+        history_tokens: 600,
+        question_tokens: 8,
+        max_tokens: 3,
+        concurrency: vec![1, 4],
+        evict_g2: true,
+        seed: 1,
+    };
+    let run = RunOptions {
+        workload,
+        gates: Gates::default(),
+        cost: CostModel::default(),
+        meter: MeterOptions::default(),
+        progress: false,
+    };
+    let mut limit = || Ok(1.0);
+    let mut drop_cache = || {};
+    let hooks = Hooks {
+        device_limit: &mut limit,
+        drop_page_cache: &mut drop_cache,
+    };
+    let report = run_cold_recovery(&mut target, &run, hooks, MachineInfo::default()).unwrap();
+
+    assert_eq!(
+        report.results.len(),
+        4,
+        "baseline and kvtier at two concurrencies"
+    );
+    for r in &report.results {
+        assert_eq!(r.requests, 4, "{r:?}");
+        assert_eq!(r.failed, 0);
+        assert_eq!(r.samples.len(), 4);
+        assert!(r.samples.iter().all(|s| s.output_tokens == 3));
+        assert!(r.throughput_tok_s > 0.0);
+        assert!(r.ttft_p50_s > 0.0 && r.ttft_p50_s <= r.ttft_p99_s);
+        assert!(
+            r.joules_per_token > 0.0,
+            "energy is modelled here, never zero"
+        );
+        match r.mode {
+            Mode::Baseline => {
+                assert_eq!(r.hit_tokens.g1 + r.hit_tokens.g2 + r.hit_tokens.g3, 0);
+                assert_eq!(r.restore_gbps, 0.0);
+            }
+            Mode::Kvtier => {
+                assert!(
+                    r.hit_tokens.g3 > 0,
+                    "restores come from G3: {:?}",
+                    r.hit_tokens
+                );
+                assert!(r.restore_gbps > 0.0);
+            }
+        }
+    }
+    // Restore beat recompute at every concurrency.
+    for q in &report.ratios {
+        assert!(
+            q.ttft_p50 < 1.0,
+            "kvtier TTFT p50 / baseline = {} at {}",
+            q.ttft_p50,
+            q.concurrency
+        );
+    }
+    // Default gates ask for concurrency 8 and 16, not run here: FAIL with a reason.
+    assert_eq!(report.gates.len(), 4);
+    assert!(
+        report
+            .gates
+            .iter()
+            .all(|g| !g.passed && g.missing.is_some())
+    );
+    assert!(report.energy_modelled);
+    let json = serde_json::to_value(&report).unwrap();
+    assert!(json["results"][0]["floor_ttft_s"].as_f64().unwrap() > 0.0);
+    assert!(report.table().contains("gates"));
+    assert!(report.markdown().contains("| concurrency |"));
+}
