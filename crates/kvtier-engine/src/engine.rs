@@ -486,26 +486,42 @@ impl Engine {
     /// One decode step for several sequences at once: appends each given
     /// token and returns each sequence's next-token logits.
     pub fn decode(&mut self, steps: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>, EngineError> {
-        for &(id, token) in steps {
-            let pos = {
-                let seq = self
-                    .seqs
-                    .get_mut(&id)
-                    .ok_or_else(|| EngineError::Request(format!("unknown sequence {id}")))?;
-                if seq.computed != seq.tokens.len() {
-                    return Err(EngineError::Request(format!(
-                        "sequence {id} is not ready to decode"
-                    )));
+        // Check every sequence before touching any, so a failure leaves the
+        // whole batch as it was and each sequence can be retried alone.
+        for &(id, _) in steps {
+            let seq = self
+                .seqs
+                .get(&id)
+                .ok_or_else(|| EngineError::Request(format!("unknown sequence {id}")))?;
+            if seq.computed != seq.tokens.len() {
+                return Err(EngineError::Request(format!(
+                    "sequence {id} is not ready to decode"
+                )));
+            }
+            if seq.tokens.len() + 1 >= self.model.max_positions() {
+                return Err(EngineError::Request(format!(
+                    "sequence {id} reached the context limit"
+                )));
+            }
+        }
+        for (i, &(id, token)) in steps.iter().enumerate() {
+            let pos = match self.seqs.get_mut(&id) {
+                Some(seq) => {
+                    seq.tokens.push(token);
+                    seq.tokens.len()
                 }
-                if seq.tokens.len() + 1 >= self.model.max_positions() {
-                    return Err(EngineError::Request(format!(
-                        "sequence {id} reached the context limit"
-                    )));
-                }
-                seq.tokens.push(token);
-                seq.tokens.len()
+                None => continue,
             };
-            self.ensure_pages(id, pos)?;
+            if let Err(e) = self.ensure_pages(id, pos) {
+                // Undo the tokens appended so far (pages already taken stay
+                // in their tables and serve the next attempt).
+                for &(done, _) in &steps[..=i] {
+                    if let Some(seq) = self.seqs.get_mut(&done) {
+                        seq.tokens.pop();
+                    }
+                }
+                return Err(e);
+            }
         }
         let mut segs = Vec::with_capacity(steps.len());
         for &(id, _) in steps {

@@ -111,3 +111,44 @@ fn stop_tokens_end_generation_and_bad_prompts_fail_alone() {
     let (ok, _) = collect(run_one(&s, prompt, 3));
     assert_eq!(ok, free[..3].to_vec());
 }
+
+#[test]
+fn a_failed_decode_batch_leaves_every_sequence_retryable() {
+    let dir = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, 7, dir.path()).unwrap();
+    // 4 pages of 16 tokens: two 30-token prompts take 2 pages each, so the
+    // next token of either needs a page the pool does not have.
+    let opts = EngineOptions {
+        block_tokens: 16,
+        pool_pages: 4,
+        max_seq_tokens: 512,
+        prefix_reuse: false,
+        ..Default::default()
+    };
+    let mut e = Engine::load(dir.path(), opts, None).unwrap();
+    let a = e.prefill(&(0..32).collect::<Vec<u32>>()).unwrap();
+    let b = e.prefill(&(40..72).collect::<Vec<u32>>()).unwrap();
+    assert!(
+        e.decode(&[(a.seq, 1), (b.seq, 2)]).is_err(),
+        "no page left for position 32"
+    );
+    // Freeing one sequence makes room: the other decodes as if nothing failed.
+    e.finish(b.seq);
+    let l = e.decode(&[(a.seq, 1)]).unwrap();
+    assert_eq!(l.len(), 1);
+    let mut fresh = Engine::load(
+        dir.path(),
+        EngineOptions {
+            block_tokens: 16,
+            pool_pages: 8,
+            max_seq_tokens: 512,
+            prefix_reuse: false,
+            ..Default::default()
+        },
+        None,
+    )
+    .unwrap();
+    let fa = fresh.prefill(&(0..32).collect::<Vec<u32>>()).unwrap();
+    let want = fresh.decode(&[(fa.seq, 1)]).unwrap();
+    assert_eq!(l, want, "the failed batch left no trace in sequence a");
+}
