@@ -6,9 +6,11 @@
 //! tiers). It reports TTFT percentiles, throughput, restore bandwidth, energy
 //! and cost per token, kvtier/baseline ratios, and gate verdicts.
 
+pub mod endpoint;
 pub mod error;
 pub mod gates;
 pub mod inproc;
+pub mod plot;
 pub mod report;
 pub mod runner;
 pub mod stats;

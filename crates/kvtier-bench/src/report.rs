@@ -6,6 +6,13 @@ use serde::Serialize;
 use crate::gates::GateResult;
 use crate::stats::Percentiles;
 
+/// `2026-11-30T17-25-00Z`: an RFC 3339 UTC time usable as a directory name.
+pub fn timestamp_for_path(t: std::time::SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t)
+        .to_string()
+        .replace(':', "-")
+}
+
 /// Baseline (recompute) or kvtier (restore).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
 #[serde(rename_all = "lowercase")]

@@ -1,1 +1,86 @@
-fn main() {}
+//! `kvtier`: the command-line binary.
+//!
+//! * `kvtier bench`: the main job, the cold-recovery benchmark with gates.
+//! * `kvtier info`: the machine, the I/O backend, O_DIRECT on the cache dir.
+//! * `kvtier store bench`: write a KV block set, read it back cold at several
+//!   in-flight depths, compare with the device's limit measured in the run.
+//! * `kvtier model load|bench|synth`: load a safetensors model; benchmark
+//!   loaders against each other and the device; write a test model.
+//! * `kvtier checkpoint bench`: naive vs kvtier durable checkpoint saves
+//!   against the device's write limit.
+//! * `kvtier model init`: write an embedded default model (tiny, small).
+//! * `kvtier serve`: the OpenAI-compatible HTTP server ([`server`]).
+//!
+//! Errors go to stderr with their causes, and the exit status is non-zero.
+
+mod bench_blocks;
+mod bench_checkpoint;
+mod bench_dirs;
+mod bench_model;
+mod bench_model_report;
+mod bench_store;
+mod cli;
+mod cli_model;
+mod cmd_bench;
+mod cmd_info;
+mod cmd_model_init;
+mod cmd_model_load;
+mod cmd_model_synth;
+mod cmd_serve;
+mod device_limit;
+mod host;
+mod load_contenders;
+mod prefault;
+mod python_contenders;
+mod recycle;
+mod report;
+mod server;
+mod size;
+mod slot_layout;
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+use crate::cli::{CheckpointCommand, Cli, Command, ModelCommand, StoreCommand};
+
+/// Sends logs to stderr, filtered by `--log`, else `RUST_LOG`, else `warn`.
+fn init_logging(filter: Option<&str>) -> Result<()> {
+    let filter = match filter {
+        Some(f) => EnvFilter::try_new(f).with_context(|| format!("bad --log filter {f:?}"))?,
+        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init()
+        .map_err(|e| anyhow::anyhow!("cannot set up logging: {e}"))
+}
+
+fn run(cli: Cli) -> Result<()> {
+    init_logging(cli.log.as_deref())?;
+    match cli.command {
+        Command::Bench(args) => cmd_bench::run(&args),
+        Command::Info(args) => cmd_info::run(&args),
+        Command::Store(StoreCommand::Bench(args)) => bench_store::run(&args),
+        Command::Model(ModelCommand::Init(args)) => cmd_model_init::run(&args),
+        Command::Model(ModelCommand::Load(args)) => cmd_model_load::run(&args),
+        Command::Model(ModelCommand::Bench(args)) => bench_model::run(&args),
+        Command::Model(ModelCommand::Synth(args)) => cmd_model_synth::run(&args),
+        Command::Checkpoint(CheckpointCommand::Bench(args)) => bench_checkpoint::run(&args),
+        Command::Serve(args) => cmd_serve::run(&args),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
