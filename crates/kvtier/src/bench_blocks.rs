@@ -12,6 +12,7 @@ use kvtier_store::block::encode_block;
 use kvtier_store::disk::{PutOutcome, ReadOutcome};
 use kvtier_store::{BlockKey, DiskTier, KvLayout, ModelFingerprint, StoreMetrics};
 
+use crate::device_limit::gbps;
 use crate::recycle::RecyclingAllocator;
 
 /// Bytes of encoded blocks handed to one `put_many` call (at most 64 blocks).
@@ -30,10 +31,6 @@ pub fn bench_key(i: u64) -> BlockKey {
 /// The fingerprint written into every bench block header.
 pub fn bench_fingerprint() -> ModelFingerprint {
     ModelFingerprint::of_bytes(b"kvtier store bench")
-}
-
-fn gbps(bytes: u64, secs: f64) -> f64 {
-    bytes as f64 / secs.max(1e-9) / 1e9
 }
 
 /// Blocks per `put_many` call for `block_bytes` blocks.

@@ -16,16 +16,18 @@
 //! below a virtual disk to flush the previous writes) before each save and
 //! before each write-limit sample.
 
+use std::alloc::Layout;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::fs::File;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use kvtier_io::checkpoint::{SaveOptions, TensorRef, save};
 use kvtier_io::safetensors::{Dtype, TensorInfo};
-use kvtier_io::{IoEngine, probe_direct};
+use kvtier_io::{DIRECT_IO_ALIGN, IoEngine, probe_direct};
 use serde::Serialize;
 
 use crate::bench_dirs::RunDirs;
@@ -34,6 +36,7 @@ use crate::cli_model::CheckpointBenchArgs;
 use crate::cmd_model_synth::plan_model;
 use crate::device_limit::{measure_write, random_write_patterns};
 use crate::host::{CacheDrops, first_touch_gbps, settle};
+use crate::recycle::RecyclingAllocator;
 use crate::report::{median, paired_fraction};
 use crate::size::format_size;
 
@@ -239,6 +242,7 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
     let direct = probe_direct(&work);
     let quiet = args.json;
 
+    let mut reuse_pool: Option<Arc<RecyclingAllocator>> = None;
     let mut opts = SaveOptions {
         shard_bytes: args.shard_bytes,
         ..SaveOptions::default()
@@ -253,6 +257,18 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
         opts.threads = t as usize;
     }
 
+    if args.reuse_buffers {
+        // The writer holds up to `in_flight` chunk buffers (spread over its
+        // threads); keep that many touched and zeroed between saves.
+        let mut pool = RecyclingAllocator::new(opts.in_flight + opts.threads);
+        let layout = Layout::from_size_align(opts.chunk_bytes, DIRECT_IO_ALIGN)?;
+        if !pool.reserve(layout, opts.in_flight + opts.threads) {
+            bail!("out of memory reserving the writer's buffers");
+        }
+        let pool = Arc::new(pool);
+        reuse_pool = Some(pool.clone());
+        opts.allocator = pool;
+    }
     let repeats = args.repeat as usize;
     let pb = progress_bar(
         (repeats as u64 * 2 + 1) * limit_bytes + repeats as u64 * 2 * bytes,
@@ -279,7 +295,10 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
     let groups = group_shards(&tensors, args.shard_bytes);
     let patterns = random_write_patterns(limit_io as usize)?;
 
-    let names = ["naive", "kvtier"];
+    let names: Vec<&str> = ["naive", "kvtier"]
+        .into_iter()
+        .filter(|n| args.only.is_empty() || args.only.iter().any(|o| o == n))
+        .collect();
     let mut results = vec![Samples::default(); names.len()];
     let mut limits = Vec::new();
     let mut first_touch = Vec::new();
@@ -301,12 +320,15 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
             let target = work.join(format!("{name}-{rep}"));
             std::fs::create_dir(&target)
                 .with_context(|| format!("cannot create {}", target.display()))?;
+            if let Some(pool) = &reuse_pool {
+                pool.rezero();
+            }
             pb.set_message(format!("{name} ({}/{repeats}): settling", rep + 1));
             drops.drop_now();
             settle(args.settle_secs);
             pb.set_message(format!("{name} ({}/{repeats})", rep + 1));
             let t = Instant::now();
-            let (files, file_bytes, was_direct) = if w == 0 {
+            let (files, file_bytes, was_direct) = if *name == "naive" {
                 let (f, b) = naive_save(&target, &tensors, &data, &groups)?;
                 (f, b, false)
             } else {
@@ -333,7 +355,10 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
     pb.finish_and_clear();
 
     let limit_gbps = median(&limits);
-    let naive_gbps = median(&results[0].gbps);
+    let naive_gbps = names
+        .iter()
+        .position(|&n| n == "naive")
+        .map_or(0.0, |i| median(&results[i].gbps));
     let writers = names
         .iter()
         .zip(&results)

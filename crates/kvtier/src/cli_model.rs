@@ -203,6 +203,17 @@ pub struct CheckpointBenchArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub threads: Option<u32>,
 
+    /// Run only these writers (comma-separated) [default: both].
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',',
+          value_parser = ["naive", "kvtier"])]
+    pub only: Vec<String>,
+
+    /// Give the kvtier writer write buffers from a pool touched before
+    /// timing (as a trainer saving periodically would keep), instead of
+    /// fresh memory on every save.
+    #[arg(long)]
+    pub reuse_buffers: bool,
+
     /// Bytes per write of the device write-limit measurement.
     #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = io_bytes_arg)]
     pub limit_io_bytes: u64,

@@ -46,7 +46,8 @@ pub struct DeviceLimit {
     io_bytes: u64,
 }
 
-fn gbps(bytes: u64, secs: f64) -> f64 {
+/// Bytes over seconds in GB/s (10^9 bytes per second).
+pub fn gbps(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / secs.max(1e-9) / 1e9
 }
 

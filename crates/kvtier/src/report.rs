@@ -76,19 +76,10 @@ pub struct BenchReport {
     pub first_touch_gbps: f64,
 }
 
-/// The median of `v` (mean of the middle two for an even count; 0 if empty).
+/// The median of `v` (mean of the middle two for an even count; 0 if empty
+/// or NaN).
 pub fn median(v: &[f64]) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let m = s.len() / 2;
-    if !s.len().is_multiple_of(2) {
-        s[m]
-    } else {
-        (s[m - 1] + s[m]) / 2.0
-    }
+    kvtier_bench::stats::percentile(v, 50.0).unwrap_or(0.0)
 }
 
 fn samples(v: &[f64]) -> String {
