@@ -124,7 +124,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         lens.push(h.file_len());
     }
     let bytes: u64 = lens.iter().sum();
-    let limit_bytes = limit_file_bytes(bytes);
+    let limit_bytes = args.limit_bytes.unwrap_or_else(|| limit_file_bytes(bytes));
     let scratch = args.scratch.clone().unwrap_or_else(|| dir.clone());
     let run_dirs = RunDirs::create(std::slice::from_ref(&scratch), 0, 0, false)?;
     let work = run_dirs.first().to_path_buf();

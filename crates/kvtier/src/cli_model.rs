@@ -129,6 +129,12 @@ pub struct ModelBenchArgs {
     #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = io_bytes_arg)]
     pub limit_io_bytes: u64,
 
+    /// Bytes of each device-limit sample, read from the shards into
+    /// buffers held for the whole run [default: the model's size, at most
+    /// 1 GiB].
+    #[arg(long, value_name = "SIZE", value_parser = size_arg)]
+    pub limit_bytes: Option<u64>,
+
     /// Cold mode: give the kvtier loader buffers that a helper thread
     /// faults in (MADV_POPULATE_WRITE) ahead of the reads, instead of
     /// plain fresh memory (an experiment with the loader's allocator hook).
