@@ -148,7 +148,7 @@ impl Target for InProcess {
     }
 
     fn end(&mut self) -> Result<(), BenchError> {
-        let engine = self.take_engine()?;
+        let mut engine = self.take_engine()?;
         engine.flush_offload()?;
         self.engine = Some(engine);
         Ok(())

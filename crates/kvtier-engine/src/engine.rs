@@ -134,6 +134,8 @@ pub struct Engine {
     opts: EngineOptions,
     seqs: HashMap<SeqId, Seq>,
     next_id: SeqId,
+    /// Full pages registered but not yet copied out to the store.
+    pending_offload: Vec<(BlockKey, PageId)>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -232,6 +234,7 @@ impl Engine {
             opts,
             seqs: HashMap::new(),
             next_id: 1,
+            pending_offload: Vec::new(),
         })
     }
 
@@ -471,16 +474,56 @@ impl Engine {
                 new.push((key, page));
             }
         }
-        if let Some((tx, _)) = &self.offload
-            && !new.is_empty()
-        {
-            let mut blocks = Vec::with_capacity(new.len());
+        if self.offload.is_some() {
+            // Copied out later by `offload_pending`, after the caller has
+            // emitted its token: the copy stays off the TTFT path. The extra
+            // reference keeps the page from being reclaimed meanwhile.
             for (key, page) in new {
-                blocks.push((key, self.pool.export(page)?));
+                self.pool.retain(page);
+                self.pending_offload.push((key, page));
             }
-            let _ = tx.send(Offload::Put(blocks));
         }
         Ok(())
+    }
+
+    /// Copies the full pages registered since the last call out of G1 and
+    /// hands them to the store's background writer. The scheduler calls it
+    /// after each step's tokens are sent; [`Engine::flush_offload`] calls it
+    /// too.
+    pub fn offload_pending(&mut self) -> Result<(), EngineError> {
+        let pending = std::mem::take(&mut self.pending_offload);
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let mut blocks = Vec::with_capacity(pending.len());
+        let mut failed = None;
+        for &(key, page) in &pending {
+            match self.pool.export(page) {
+                Ok(bytes) => blocks.push((key, bytes)),
+                Err(e) => failed = Some(e),
+            }
+        }
+        for (_, page) in pending {
+            self.release_page(page);
+        }
+        if let Some((tx, _)) = &self.offload
+            && !blocks.is_empty()
+        {
+            let _ = tx.send(Offload::Put(blocks));
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Drops one reference; an unreferenced page stays cached in G1 when it
+    /// holds a registered block, and is freed otherwise.
+    fn release_page(&mut self, page: PageId) {
+        if self.pool.release(page) {
+            if self.g1.holds(page) {
+                self.g1.mark_idle(page);
+            } else {
+                self.pool.free(page);
+            }
+        }
     }
 
     /// One decode step for several sequences at once: appends each given
@@ -554,18 +597,13 @@ impl Engine {
             return;
         };
         for page in seq.table {
-            if self.pool.release(page) {
-                if self.g1.holds(page) {
-                    self.g1.mark_idle(page);
-                } else {
-                    self.pool.free(page);
-                }
-            }
+            self.release_page(page);
         }
     }
 
     /// Waits until every queued block has been handed to the store.
-    pub fn flush_offload(&self) -> Result<(), EngineError> {
+    pub fn flush_offload(&mut self) -> Result<(), EngineError> {
+        self.offload_pending()?;
         if let Some((tx, _)) = &self.offload {
             let (done_tx, done_rx) = mpsc::channel();
             if tx.send(Offload::Flush(done_tx)).is_ok() {
@@ -578,6 +616,9 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        if let Err(e) = self.offload_pending() {
+            tracing::warn!("copying KV blocks for the store at shutdown failed: {e}");
+        }
         if let Some((tx, handle)) = self.offload.take() {
             drop(tx);
             let _ = handle.join();

@@ -170,6 +170,7 @@ fn run(mut engine: Engine, cfg: BatchConfig, rx: Receiver<(GenerateRequest, Inst
     let mut active: Vec<Active> = Vec::new();
     let mut open = true;
     loop {
+        offload(&mut engine);
         // Gather arrivals.
         if active.is_empty() && queue.is_empty() {
             if !open {
@@ -210,12 +211,23 @@ fn run(mut engine: Engine, cfg: BatchConfig, rx: Receiver<(GenerateRequest, Inst
                 active.push(a);
             }
         }
+        offload(&mut engine);
         if active.is_empty() {
             continue;
         }
         step(&mut engine, &mut active);
     }
+    offload(&mut engine);
     engine
+}
+
+/// New full blocks go to the store after the round's tokens were sent (and
+/// before the scheduler waits for work), so the copy never delays a first
+/// token.
+fn offload(engine: &mut Engine) {
+    if let Err(e) = engine.offload_pending() {
+        tracing::warn!("copying KV blocks for the store failed: {e}");
+    }
 }
 
 fn admit(engine: &mut Engine, q: Queued) -> Option<Active> {

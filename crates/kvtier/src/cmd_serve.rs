@@ -272,7 +272,7 @@ async fn run_async(args: ServeArgs) -> Result<()> {
     tokio::task::spawn_blocking(move || {
         match Arc::try_unwrap(scheduler) {
             Ok(s) => {
-                if let Some(engine) = s.shutdown() {
+                if let Some(mut engine) = s.shutdown() {
                     if let Err(e) = engine.flush_offload() {
                         tracing::warn!("flushing KV blocks to the store failed: {e}");
                     }
