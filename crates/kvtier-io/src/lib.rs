@@ -5,12 +5,16 @@
 //!   on io_uring where the kernel allows it and on a thread pool otherwise.
 //! * [`direct`]: opening files with `O_DIRECT` and probing whether a
 //!   directory accepts it; the active mode is always reported, never silent.
+//! * [`recycle`]: an allocator that reuses freed buffers (no page faults).
+//! * [`safetensors`], [`loader`], [`checkpoint`]: validated safetensors
+//!   reading, the parallel weight loader, crash-safe checkpoints.
 
 pub mod buffer;
 pub mod checkpoint;
 pub mod direct;
 pub mod engine;
 pub mod loader;
+pub mod recycle;
 pub mod safetensors;
 mod threads;
 mod uring;

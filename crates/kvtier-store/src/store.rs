@@ -18,7 +18,8 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use kvtier_io::{AlignedBuf, HostAllocator, IoEngine, system_allocator};
+use kvtier_io::recycle::RecyclingAllocator;
+use kvtier_io::{AlignedBuf, HostAllocator, IoEngine};
 use parking_lot::{Condvar, Mutex};
 
 use crate::admission::SecondSighting;
@@ -198,9 +199,14 @@ impl std::fmt::Debug for TieredStore {
 }
 
 impl TieredStore {
-    /// Opens a store with the shared I/O engine and the system allocator.
+    /// Opens a store with the shared I/O engine and a recycling allocator
+    /// (up to 256 MiB of freed block buffers are kept for reuse, so reads
+    /// from G3 land in memory that is already faulted in).
     pub fn open(config: StoreConfig) -> Result<Self, StoreError> {
-        Self::open_with(config, IoEngine::shared().clone(), system_allocator())
+        let slot = config.layout.encoded_bytes().max(1);
+        let keep = ((256u64 << 20) / slot).clamp(8, 4096) as usize;
+        let alloc: Arc<dyn HostAllocator> = Arc::new(RecyclingAllocator::new(keep));
+        Self::open_with(config, IoEngine::shared().clone(), alloc)
     }
 
     /// Opens a store with an explicit I/O engine and allocation hook (the

@@ -13,7 +13,7 @@ use kvtier_store::disk::{PutOutcome, ReadOutcome};
 use kvtier_store::{BlockKey, DiskTier, KvLayout, ModelFingerprint, StoreMetrics};
 
 use crate::device_limit::gbps;
-use crate::recycle::RecyclingAllocator;
+use kvtier_io::recycle::RecyclingAllocator;
 
 /// Bytes of encoded blocks handed to one `put_many` call (at most 64 blocks).
 const WRITE_BATCH_BYTES: u64 = 128 << 20;

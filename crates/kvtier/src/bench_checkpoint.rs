@@ -36,9 +36,9 @@ use crate::cli_model::CheckpointBenchArgs;
 use crate::cmd_model_synth::plan_model;
 use crate::device_limit::{measure_write, random_write_patterns};
 use crate::host::{CacheDrops, first_touch_gbps, settle};
-use crate::recycle::RecyclingAllocator;
 use crate::report::{median, paired_fraction};
 use crate::size::format_size;
+use kvtier_io::recycle::RecyclingAllocator;
 
 /// Largest device write-limit file.
 pub const MAX_WRITE_LIMIT_BYTES: u64 = 4 << 30;

@@ -35,8 +35,8 @@ use crate::host::{CacheDrops, first_touch_gbps, settle};
 use crate::load_contenders::{self as lc, Loaded, NaivePool};
 use crate::prefault::PopulatingAllocator;
 use crate::python_contenders::{PyLoader, Python};
-use crate::recycle::RecyclingAllocator;
 use crate::report::{median, paired_fraction};
+use kvtier_io::recycle::RecyclingAllocator;
 
 /// Largest first-touch sample.
 const MAX_FIRST_TOUCH_BYTES: u64 = 1 << 30;

@@ -32,7 +32,6 @@ mod host;
 mod load_contenders;
 mod prefault;
 mod python_contenders;
-mod recycle;
 mod report;
 mod server;
 mod size;

@@ -1,11 +1,11 @@
 //! A [`HostAllocator`] that keeps freed buffers and hands them out again.
 //!
-//! The store bench encodes thousands of equal-size blocks; each
-//! `encode_block` call allocates its output. Fresh memory must be faulted in
-//! by the kernel, which on some VMs runs at 0.4 GB/s (the host reclaims freed
-//! RAM within seconds), so allocating every block anew would measure page
-//! faults, not the disk. Recycling a handful of buffers of the same layout
-//! costs one `memset` per reuse instead.
+//! The store reads, encodes and evicts thousands of equal-size blocks.
+//! Fresh memory must be faulted in by the kernel, which on some VMs runs at
+//! 0.4 GB/s (the host reclaims freed RAM within seconds), so allocating every
+//! block anew makes restores wait on page faults, not the disk. Recycling
+//! buffers of the same layout costs one `memset` per reuse instead. The
+//! tiered store uses it by default; benchmarks use it for their pools.
 //!
 //! Benchmarks of a warm destination go one step further: buffers can be
 //! [reserved](RecyclingAllocator::reserve) (allocated and touched up front)
@@ -17,8 +17,7 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::Mutex;
 
-use kvtier_io::HostAllocator;
-use kvtier_io::buffer::SystemAllocator;
+use crate::buffer::{HostAllocator, SystemAllocator};
 
 /// A cached allocation: its layout, its address, and whether it is known to
 /// be all zeros (then it is handed out without a `memset`).
@@ -168,7 +167,7 @@ impl Drop for RecyclingAllocator {
 mod tests {
     use std::sync::Arc;
 
-    use kvtier_io::AlignedBuf;
+    use crate::buffer::AlignedBuf;
 
     use super::*;
 
