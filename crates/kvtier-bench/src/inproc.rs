@@ -124,6 +124,7 @@ impl Target for InProcess {
                         g1: cached.g1,
                         g2: cached.g2,
                         g3: cached.g3,
+                        g4: cached.g4,
                     };
                     rec.restored_bytes = restored_bytes;
                     rec.restore_s = restore_seconds;

@@ -66,6 +66,9 @@ pub struct TierTokens {
     pub g2: usize,
     /// Disk (G3).
     pub g3: usize,
+    /// Shared pool (G4).
+    #[serde(default)]
+    pub g4: usize,
 }
 
 impl TierTokens {
@@ -74,6 +77,12 @@ impl TierTokens {
         self.g1 += o.g1;
         self.g2 += o.g2;
         self.g3 += o.g3;
+        self.g4 += o.g4;
+    }
+
+    /// Tokens from every tier.
+    pub fn total(&self) -> usize {
+        self.g1 + self.g2 + self.g3 + self.g4
     }
 }
 

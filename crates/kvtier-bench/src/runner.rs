@@ -120,7 +120,7 @@ fn summarize(
     let floors: Vec<f64> = ok
         .iter()
         .map(|r| {
-            let cached = r.hit_tokens.g1 + r.hit_tokens.g2 + r.hit_tokens.g3;
+            let cached = r.hit_tokens.total();
             let bytes_s = if ctx.device_limit_gbps > 0.0 {
                 r.restored_bytes as f64 / (ctx.device_limit_gbps * 1e9)
             } else {
@@ -202,7 +202,7 @@ pub fn run_cold_recovery(
     }
     let computed: usize = recs
         .iter()
-        .map(|r| r.prompt_tokens - (r.hit_tokens.g1 + r.hit_tokens.g2 + r.hit_tokens.g3))
+        .map(|r| r.prompt_tokens - r.hit_tokens.total())
         .sum();
     let compute_s: f64 = recs.iter().map(|r| r.ttft_s).sum();
     let prefill_tok_s = if compute_s > 0.0 {

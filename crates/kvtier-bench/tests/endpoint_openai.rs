@@ -284,7 +284,8 @@ fn a_good_stream_times_ttft_before_e2e_and_takes_counts_from_usage() {
         TierTokens {
             g1: 16,
             g2: 32,
-            g3: 48
+            g3: 48,
+            g4: 0
         }
     );
     assert_eq!(rec.restored_bytes, 65536);
@@ -323,7 +324,8 @@ fn without_usage_chunks_are_counted_and_cached_tokens_go_to_g1() {
         TierTokens {
             g1: 96,
             g2: 0,
-            g3: 0
+            g3: 0,
+            g4: 0
         },
         "unknown tier: G1"
     );

@@ -34,6 +34,7 @@ fn main() -> Result<(), EngineError> {
         memory_bytes: 1 << 30,
         disk_dirs: vec![cache.clone()],
         disk_bytes: 4 << 30,
+        remote: None,
     };
     let mut e = Engine::load(&dir, opts, Some(store))?;
     let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 31 + 7) % 256).collect();

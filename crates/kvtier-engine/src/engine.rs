@@ -67,6 +67,8 @@ pub struct StoreOptions {
     pub disk_dirs: Vec<PathBuf>,
     /// G3 bytes.
     pub disk_bytes: u64,
+    /// G4, a pool shared with other nodes (none: no G4).
+    pub remote: Option<kvtier_store::RemoteConfig>,
 }
 
 /// Identifies a sequence inside the engine.
@@ -81,12 +83,14 @@ pub struct CachedTokens {
     pub g2: usize,
     /// From disk.
     pub g3: usize,
+    /// From the shared pool.
+    pub g4: usize,
 }
 
 impl CachedTokens {
     /// All cached prompt tokens.
     pub fn total(&self) -> usize {
-        self.g1 + self.g2 + self.g3
+        self.g1 + self.g2 + self.g3 + self.g4
     }
 }
 
@@ -176,6 +180,7 @@ impl Engine {
                 if !so.disk_dirs.is_empty() {
                     sc.disk = Some(DiskConfig::new(so.disk_dirs, so.disk_bytes, layout));
                 }
+                sc.remote = so.remote;
                 Some(TieredStore::open(sc)?)
             }
             None => None,
@@ -437,6 +442,7 @@ impl Engine {
                     match block.tier {
                         Tier::G2 => cached.g2 += bt,
                         Tier::G3 => cached.g3 += bt,
+                        Tier::G4 => cached.g4 += bt,
                     }
                 }
             }

@@ -30,6 +30,7 @@ fn store_opts(cache: &Path) -> StoreOptions {
         memory_bytes: 64 << 20,
         disk_dirs: vec![cache.to_path_buf()],
         disk_bytes: 64 << 20,
+        remote: None,
     }
 }
 

@@ -21,14 +21,17 @@ pub enum Tier {
     G2,
     /// Local disk or any mounted path.
     G3,
+    /// A pool shared by nodes (Redis/Valkey, S3).
+    G4,
 }
 
 impl Tier {
-    /// "g2" or "g3".
+    /// "g2", "g3" or "g4".
     pub fn name(self) -> &'static str {
         match self {
             Tier::G2 => "g2",
             Tier::G3 => "g3",
+            Tier::G4 => "g4",
         }
     }
 }
@@ -85,6 +88,22 @@ impl Default for TierMetrics {
     }
 }
 
+/// Health of the G4 pool. Cloning shares the underlying counters.
+#[derive(Debug, Clone, Default)]
+pub struct RemoteMetrics {
+    /// 1 while the circuit breaker is open or probing, else 0.
+    pub breaker_open: Gauge,
+    /// Operations that failed (connection or server error).
+    pub errors: Counter,
+    /// Operations that ran past their time limit.
+    pub timeouts: Counter,
+    /// Blocks not written through because the queue was full or the
+    /// breaker open.
+    pub dropped_puts: Counter,
+    /// Bytes of blocks waiting to be written through.
+    pub queue_bytes: Gauge,
+}
+
 /// All store metrics and the registry that renders them.
 #[derive(Debug)]
 pub struct StoreMetrics {
@@ -94,6 +113,10 @@ pub struct StoreMetrics {
     pub g2: TierMetrics,
     /// G3 (disk) metrics.
     pub g3: TierMetrics,
+    /// G4 (shared pool) metrics.
+    pub g4: TierMetrics,
+    /// G4 pool health.
+    pub remote: RemoteMetrics,
     /// Blocks waiting to be written back from G2 to G3.
     pub writeback_pending: Gauge,
     /// Blocks not written to G3 because the admission filter had seen them
@@ -113,12 +136,14 @@ impl StoreMetrics {
         let mut registry = Registry::default();
         let g2 = TierMetrics::default();
         let g3 = TierMetrics::default();
+        let g4 = TierMetrics::default();
+        let remote = RemoteMetrics::default();
         let io_mode = Family::<Labels, Gauge>::default();
         let writeback_pending = Gauge::default();
         let admission_rejected = Counter::default();
         {
             let store = registry.sub_registry_with_prefix("kvtier_store");
-            for (tier, m) in [(Tier::G2, &g2), (Tier::G3, &g3)] {
+            for (tier, m) in [(Tier::G2, &g2), (Tier::G3, &g3), (Tier::G4, &g4)] {
                 let r = store.sub_registry_with_label(("tier".into(), tier.name().into()));
                 r.register("hits", "Blocks found in the tier", m.hits.clone());
                 r.register("misses", "Blocks looked up and not found", m.misses.clone());
@@ -175,6 +200,31 @@ impl StoreMetrics {
                 writeback_pending.clone(),
             );
             store.register(
+                "remote_breaker_open",
+                "1 while the G4 circuit breaker is open (G4 skipped: misses, dropped writes)",
+                remote.breaker_open.clone(),
+            );
+            store.register(
+                "remote_errors",
+                "G4 operations that failed",
+                remote.errors.clone(),
+            );
+            store.register(
+                "remote_timeouts",
+                "G4 operations that ran past their time limit",
+                remote.timeouts.clone(),
+            );
+            store.register(
+                "remote_dropped_puts",
+                "Blocks not written through to G4 (queue full or breaker open)",
+                remote.dropped_puts.clone(),
+            );
+            store.register(
+                "remote_queue_bytes",
+                "Bytes of blocks waiting to be written through to G4",
+                remote.queue_bytes.clone(),
+            );
+            store.register(
                 "admission_rejected",
                 "Blocks kept out of G3 because they were seen only once",
                 admission_rejected.clone(),
@@ -185,6 +235,8 @@ impl StoreMetrics {
             io_mode,
             g2,
             g3,
+            g4,
+            remote,
             writeback_pending,
             admission_rejected,
         }
@@ -195,6 +247,7 @@ impl StoreMetrics {
         match tier {
             Tier::G2 => &self.g2,
             Tier::G3 => &self.g3,
+            Tier::G4 => &self.g4,
         }
     }
 

@@ -10,25 +10,34 @@
 //! * `get_many` serves G2 hits from memory and reads every G3 hit at once
 //!   (up to the disk tier's in-flight depth), verifying each block; G3 hits
 //!   are promoted into G2.
+//! * With G4 ([`StoreConfig::remote`]), blocks put are also written through
+//!   to the shared pool by a second background writer (subject to the
+//!   admission filter), dropped, and counted, when its queue is full or the
+//!   pool is down. `lookup_prefix` consults G4 after G3, in one batch for
+//!   the keys past the local prefix; `get_many` reads G4 after G3, verifies
+//!   every block as G3 does and promotes hits into G2 (so they reach G3 when
+//!   evicted). A failing G4 is misses, never an error.
 //! * Dropping the last handle (or [`TieredStore::close`]) writes every block
 //!   not yet on disk to G3 and syncs it, so a clean stop keeps the cache.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use kvtier_io::recycle::RecyclingAllocator;
-use kvtier_io::{AlignedBuf, HostAllocator, IoEngine};
+use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, IoEngine};
 use parking_lot::{Condvar, Mutex};
 
 use crate::admission::SecondSighting;
-use crate::block::{BlockError, HEADER_BYTES, encode_block};
+use crate::block::{BlockError, HEADER_BYTES, decode_block, encode_block};
 use crate::disk::{DiskConfig, DiskError, DiskTier, PutOutcome};
 use crate::key::{BlockKey, ModelFingerprint};
 use crate::layout::KvLayout;
 use crate::memory::{Evicted, MemoryTier};
 use crate::metrics::{StoreMetrics, Tier};
+use crate::remote::{RemoteBlock, RemoteConfig, RemoteError, RemoteTier};
 
 /// Configuration of a [`TieredStore`].
 #[derive(Debug, Clone)]
@@ -49,6 +58,8 @@ pub struct StoreConfig {
     pub writeback_max_bytes: u64,
     /// Write dirty G2 blocks to G3 when the store closes.
     pub persist_on_close: bool,
+    /// G4, a pool shared with other nodes, if any.
+    pub remote: Option<RemoteConfig>,
 }
 
 impl StoreConfig {
@@ -64,6 +75,7 @@ impl StoreConfig {
             admission_window: 1 << 20,
             writeback_max_bytes: 256 << 20,
             persist_on_close: true,
+            remote: None,
         }
     }
 }
@@ -83,6 +95,10 @@ pub enum StoreError {
     /// A background task failed.
     #[error("store task failed: {0}")]
     Task(String),
+    /// The G4 configuration cannot work (a pool that is down is not an
+    /// error: it is misses).
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
 }
 
 /// How far a prefix is cached, and where each block is.
@@ -156,6 +172,31 @@ enum Job {
     Flush(mpsc::Sender<()>),
 }
 
+enum RemoteJob {
+    Write(Vec<RemoteBlock>, u64),
+    Flush(mpsc::Sender<()>),
+}
+
+/// G4 and its write-through thread.
+struct Remote {
+    tier: Arc<RemoteTier>,
+    tx: Mutex<Option<mpsc::Sender<RemoteJob>>>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+    queued: Arc<AtomicU64>,
+    max_queued: u64,
+}
+
+impl Remote {
+    fn stop(&self) {
+        drop(self.tx.lock().take());
+        if let Some(h) = self.writer.lock().take()
+            && h.join().is_err()
+        {
+            tracing::error!("G4 write-through thread panicked");
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct PendingSet {
     blocks: HashMap<BlockKey, Arc<AlignedBuf>>,
@@ -181,6 +222,7 @@ struct Inner {
     writer: Mutex<Option<JoinHandle<()>>>,
     metrics: Arc<StoreMetrics>,
     alloc: Arc<dyn HostAllocator>,
+    remote: Option<Remote>,
 }
 
 /// The tiered KV block store. Cheap to clone (shared handle); thread-safe.
@@ -245,6 +287,10 @@ impl TieredStore {
         let admission = config
             .admit_on_second_sighting
             .then(|| Mutex::new(SecondSighting::new(config.admission_window)));
+        let remote = match &config.remote {
+            Some(rc) => Some(open_remote(rc, config.layout, &metrics)?),
+            None => None,
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 layout: config.layout,
@@ -259,6 +305,7 @@ impl TieredStore {
                 writer: Mutex::new(writer),
                 metrics,
                 alloc,
+                remote,
             }),
         })
     }
@@ -288,6 +335,11 @@ impl TieredStore {
         &self.inner.memory
     }
 
+    /// The G4 tier, if configured.
+    pub fn remote(&self) -> Option<&RemoteTier> {
+        self.inner.remote.as_ref().map(|r| &*r.tier)
+    }
+
     /// What each tier holds now.
     pub fn stats(&self) -> StoreStats {
         let inner = &self.inner;
@@ -300,21 +352,34 @@ impl TieredStore {
         }
     }
 
-    /// How many leading `keys` are cached, and in which tier each is.
-    pub fn lookup_prefix(&self, keys: &[BlockKey]) -> PrefixLookup {
+    /// The local tier holding `key`, if any.
+    fn local_tier(&self, key: &BlockKey) -> Option<Tier> {
         let inner = &self.inner;
-        let mut tiers = Vec::new();
-        for key in keys {
-            let tier = if inner.memory.contains(key)
-                || inner.pending.set.lock().blocks.contains_key(key)
-            {
-                Tier::G2
-            } else if inner.disk.as_ref().is_some_and(|d| d.contains(key)) {
-                Tier::G3
-            } else {
-                break;
-            };
-            tiers.push(tier);
+        if inner.memory.contains(key) || inner.pending.set.lock().blocks.contains_key(key) {
+            Some(Tier::G2)
+        } else if inner.disk.as_ref().is_some_and(|d| d.contains(key)) {
+            Some(Tier::G3)
+        } else {
+            None
+        }
+    }
+
+    /// How many leading `keys` are cached, and in which tier each is. The
+    /// keys past the local prefix are looked up in G4 in one batch.
+    pub fn lookup_prefix(&self, keys: &[BlockKey]) -> PrefixLookup {
+        let mut tiers: Vec<Tier> = keys.iter().map_while(|k| self.local_tier(k)).collect();
+        if let Some(remote) = &self.inner.remote
+            && tiers.len() < keys.len()
+        {
+            let rest = &keys[tiers.len()..];
+            let in_g4 = remote.tier.contains_many(rest);
+            for (key, found) in rest.iter().zip(in_g4) {
+                match self.local_tier(key) {
+                    Some(t) => tiers.push(t),
+                    None if found => tiers.push(Tier::G4),
+                    None => break,
+                }
+            }
         }
         PrefixLookup { tiers }
     }
@@ -357,25 +422,90 @@ impl TieredStore {
                 .filter(|(_, b)| b.is_some())
                 .map(|(k, _)| k),
         );
-        let Some(disk) = &inner.disk else { return out };
-        if from_disk.is_empty() {
-            return out;
-        }
-        let disk_keys: Vec<BlockKey> = from_disk.iter().map(|&i| keys[i]).collect();
         let mut evicted = Vec::new();
-        for (&i, buf) in from_disk.iter().zip(disk.get_many(&disk_keys)) {
-            let Some(buf) = buf else { continue };
-            let buf = Arc::new(buf);
-            evicted.extend(inner.memory.insert(keys[i], buf.clone(), true));
-            out[i] = Some(StoredBlock {
-                key: keys[i],
-                tier: Tier::G3,
-                buf,
-                payload_len,
-            });
+        if let Some(disk) = &inner.disk
+            && !from_disk.is_empty()
+        {
+            let disk_keys: Vec<BlockKey> = from_disk.iter().map(|&i| keys[i]).collect();
+            for (&i, buf) in from_disk.iter().zip(disk.get_many(&disk_keys)) {
+                let Some(buf) = buf else { continue };
+                let buf = Arc::new(buf);
+                evicted.extend(inner.memory.insert(keys[i], buf.clone(), true));
+                out[i] = Some(StoredBlock {
+                    key: keys[i],
+                    tier: Tier::G3,
+                    buf,
+                    payload_len,
+                });
+            }
+        }
+        if let Some(remote) = &inner.remote {
+            let from_g4: Vec<usize> = from_disk
+                .into_iter()
+                .filter(|&i| out[i].is_none())
+                .collect();
+            if !from_g4.is_empty() {
+                let g4_keys: Vec<BlockKey> = from_g4.iter().map(|&i| keys[i]).collect();
+                let g4 = &inner.metrics.g4;
+                for (&i, bytes) in from_g4.iter().zip(remote.tier.get_many(&g4_keys)) {
+                    let Some(buf) = bytes.and_then(|b| self.accept_remote(&keys[i], &b)) else {
+                        g4.misses.inc();
+                        continue;
+                    };
+                    g4.hits.inc();
+                    let buf = Arc::new(buf);
+                    // Not persisted locally: G3 gets it when G2 evicts it.
+                    evicted.extend(inner.memory.insert(keys[i], buf.clone(), false));
+                    out[i] = Some(StoredBlock {
+                        key: keys[i],
+                        tier: Tier::G4,
+                        buf,
+                        payload_len,
+                    });
+                }
+            }
         }
         self.demote(evicted);
         out
+    }
+
+    /// Verifies a block read from G4 (checksums, key, model, layout) and
+    /// copies it into an aligned buffer shaped like a local block. A block
+    /// that fails is counted, deleted from the pool and is a miss.
+    fn accept_remote(&self, key: &BlockKey, bytes: &[u8]) -> Option<AlignedBuf> {
+        let inner = &self.inner;
+        let slot = inner.layout.encoded_bytes() as usize;
+        let verdict = match decode_block(bytes, Some(key)) {
+            Ok((h, _)) if h.layout != inner.layout => {
+                Err(format!("layout {} instead of {}", h.layout, inner.layout))
+            }
+            Ok((h, _)) if h.fingerprint != inner.fingerprint => {
+                Err("another model's fingerprint".to_string())
+            }
+            Ok(_) if bytes.len() > slot => {
+                Err(format!("{} bytes, more than a block's {slot}", bytes.len()))
+            }
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(why) = verdict {
+            tracing::warn!("G4 block {key} failed verification ({why}); deleting it");
+            inner.metrics.g4.corrupt_blocks.inc();
+            if let Some(r) = &inner.remote {
+                r.tier.delete(key);
+            }
+            return None;
+        }
+        let mut buf = match AlignedBuf::zeroed_in(&inner.alloc, slot, DIRECT_IO_ALIGN) {
+            Ok(b) if b.len() == slot => b,
+            _ => {
+                tracing::warn!("no memory for G4 block {key}; treating it as a miss");
+                return None;
+            }
+        };
+        buf[..bytes.len()].copy_from_slice(bytes);
+        buf[bytes.len()..].fill(0);
+        Some(buf)
     }
 
     /// Stores `(key, payload)` blocks in G2; blocks G2 evicts are written
@@ -402,6 +532,7 @@ impl TieredStore {
             encoded.push((*key, Arc::new(buf)));
         }
         self.record_sightings(blocks.iter().map(|(k, _)| k));
+        self.write_through(&encoded);
         self.wait_for_writeback_room();
         let mut evicted = Vec::new();
         for (key, buf) in encoded {
@@ -412,6 +543,44 @@ impl TieredStore {
         }
         self.demote(evicted);
         Ok(report)
+    }
+
+    /// Queues newly stored blocks for G4 (subject to the admission filter).
+    /// Never waits: with the queue full or the breaker open they are
+    /// dropped and counted.
+    fn write_through(&self, blocks: &[(BlockKey, Arc<AlignedBuf>)]) {
+        let inner = &self.inner;
+        let Some(remote) = &inner.remote else { return };
+        let sent_len = HEADER_BYTES + inner.layout.payload_bytes() as usize;
+        let batch: Vec<RemoteBlock> = blocks
+            .iter()
+            .filter(|(k, _)| inner.admission.as_ref().is_none_or(|a| a.lock().admits(k)))
+            .map(|(k, b)| (*k, b.clone(), sent_len))
+            .collect();
+        if batch.is_empty() {
+            return;
+        }
+        let n = batch.len() as u64;
+        let bytes = n * sent_len as u64;
+        // With the breaker open the writer drops batches at once (and lets
+        // one through as a probe when due), so the queue stays short.
+        let queued = remote.queued.load(Ordering::Acquire);
+        if queued + bytes > remote.max_queued {
+            inner.metrics.remote.dropped_puts.inc_by(n);
+            return;
+        }
+        remote.queued.fetch_add(bytes, Ordering::AcqRel);
+        inner.metrics.remote.queue_bytes.inc_by(bytes as i64);
+        let sent = remote
+            .tx
+            .lock()
+            .as_ref()
+            .is_some_and(|tx| tx.send(RemoteJob::Write(batch, bytes)).is_ok());
+        if !sent {
+            remote.queued.fetch_sub(bytes, Ordering::AcqRel);
+            inner.metrics.remote.queue_bytes.dec_by(bytes as i64);
+            inner.metrics.remote.dropped_puts.inc_by(n);
+        }
     }
 
     fn record_sightings<'a>(&self, keys: impl Iterator<Item = &'a BlockKey>) {
@@ -494,8 +663,30 @@ impl TieredStore {
     }
 
     /// Writes every block not yet in G3 (evicted or still in G2) and syncs
-    /// G3. Returns once it is durable.
+    /// G3, and waits until every block queued for G4 was written (or
+    /// dropped, if G4 is failing). Returns once G3 is durable.
     pub fn flush(&self) -> Result<(), StoreError> {
+        self.flush_remote();
+        self.flush_disk()
+    }
+
+    /// Waits for the G4 write-through queue to drain.
+    fn flush_remote(&self) {
+        let Some(remote) = &self.inner.remote else {
+            return;
+        };
+        let (tx, rx) = mpsc::channel();
+        let sent = remote
+            .tx
+            .lock()
+            .as_ref()
+            .is_some_and(|q| q.send(RemoteJob::Flush(tx)).is_ok());
+        if sent {
+            let _ = rx.recv();
+        }
+    }
+
+    fn flush_disk(&self) -> Result<(), StoreError> {
         let inner = &self.inner;
         let Some(disk) = &inner.disk else {
             return Ok(());
@@ -532,6 +723,9 @@ impl TieredStore {
             Ok(())
         };
         self.inner.stop_writer();
+        if let Some(remote) = &self.inner.remote {
+            remote.stop();
+        }
         r
     }
 }
@@ -549,6 +743,9 @@ impl Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if let Some(r) = &self.remote {
+            r.stop();
+        }
         if self.persist_on_close
             && let Some(tx) = self.tx.lock().as_ref()
         {
@@ -562,6 +759,79 @@ impl Drop for Inner {
             && let Err(e) = disk.sync()
         {
             tracing::warn!("G3 sync at close failed: {e}");
+        }
+    }
+}
+
+fn open_remote(
+    config: &RemoteConfig,
+    layout: KvLayout,
+    metrics: &Arc<StoreMetrics>,
+) -> Result<Remote, StoreError> {
+    let tier = Arc::new(RemoteTier::open(
+        config,
+        layout.encoded_bytes(),
+        metrics.g4.clone(),
+        metrics.remote.clone(),
+    )?);
+    let queued = Arc::new(AtomicU64::new(0));
+    let (tx, rx) = mpsc::channel();
+    let writer = {
+        let (tier, queued, metrics) = (tier.clone(), queued.clone(), metrics.clone());
+        std::thread::Builder::new()
+            .name("kvtier-g4-write".into())
+            .spawn(move || write_through_loop(&rx, &tier, &queued, &metrics))
+            .map_err(|e| StoreError::Task(format!("cannot start the G4 writer: {e}")))?
+    };
+    tracing::info!("G4 pool {} (write-through, breaker)", tier.shown());
+    Ok(Remote {
+        tier,
+        tx: Mutex::new(Some(tx)),
+        writer: Mutex::new(Some(writer)),
+        queued,
+        max_queued: config.write_queue_bytes,
+    })
+}
+
+fn write_through_loop(
+    rx: &mpsc::Receiver<RemoteJob>,
+    tier: &RemoteTier,
+    queued: &AtomicU64,
+    metrics: &StoreMetrics,
+) {
+    let mut next: Option<RemoteJob> = None;
+    loop {
+        let job = match next.take() {
+            Some(j) => j,
+            None => match rx.recv() {
+                Ok(j) => j,
+                Err(_) => break,
+            },
+        };
+        match job {
+            RemoteJob::Flush(done) => {
+                let _ = done.send(());
+            }
+            RemoteJob::Write(mut batch, mut bytes) => {
+                while batch.len() < WRITEBACK_BATCH {
+                    match rx.try_recv() {
+                        Ok(RemoteJob::Write(more, b)) => {
+                            batch.extend(more);
+                            bytes += b;
+                        }
+                        Ok(flush) => {
+                            next = Some(flush);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                let n = batch.len() as u64;
+                let written = tier.put_many(batch) as u64;
+                metrics.remote.dropped_puts.inc_by(n - written);
+                queued.fetch_sub(bytes, Ordering::AcqRel);
+                metrics.remote.queue_bytes.dec_by(bytes as i64);
+            }
         }
     }
 }
@@ -639,7 +909,6 @@ fn write_back(
     }
 }
 
-#[cfg(feature = "tokio")]
 impl TieredStore {
     /// [`get_many`](Self::get_many) on tokio's blocking pool.
     pub async fn get_many_async(

@@ -55,9 +55,14 @@ pub enum Command {
     /// Serve a model over the OpenAI API (`/v1/completions`,
     /// `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`), its KV
     /// cache in G1 pages over the tiered store (G2 memory, G3 under
-    /// `--cache-dir`). Prints `listening on http://ADDR` first on stdout;
+    /// `--cache-dir`, G4 at `--remote`). Prints `listening on http://ADDR` first on stdout;
     /// SIGINT/SIGTERM finish the requests in flight and flush the cache.
     Serve(ServeArgs),
+    /// Compute a prompt's KV on this node and leave it in the shared G4
+    /// pool (`--remote`), for a `kvtier serve` decode node with the same
+    /// model, `--block-tokens` and `--tenant-salt` to restore instead of
+    /// computing. Exits once every block is in G4.
+    Prefill(crate::cmd_prefill::PrefillArgs),
 }
 
 /// `kvtier model ...` commands.

@@ -252,6 +252,7 @@ fn in_process(args: &BenchCmdArgs) -> Result<InProcess> {
         memory_bytes: args.g2_bytes,
         disk_dirs: vec![args.cache_dir.join("g3")],
         disk_bytes: args.g3_bytes,
+        remote: None,
     };
     let engine = Engine::load(&model_dir, opts, Some(store))
         .with_context(|| format!("loading the model in {}", model_dir.display()))?;

@@ -19,6 +19,7 @@ use kvtier_engine::scheduler::{BatchConfig, Scheduler};
 use kvtier_engine::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions};
 
+use crate::remote_flags::RemoteFlags;
 use crate::server::metrics::ServerMetrics;
 use crate::server::state::{AppState, Limits};
 use crate::server::{routes, serve, shutdown_signal};
@@ -99,6 +100,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "TEXT", default_value = "")]
     pub tenant_salt: String,
 
+    /// The shared G4 pool.
+    #[command(flatten)]
+    pub remote: RemoteFlags,
+
     /// Largest request body accepted (larger ones get 413).
     #[arg(long, value_name = "SIZE", default_value = "4MiB", value_parser = parse_size)]
     pub max_body_bytes: u64,
@@ -114,6 +119,14 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let res = rt.block_on(run_async(args.clone()));
     rt.shutdown_timeout(Duration::from_secs(10));
     res
+}
+
+/// How the start-up line names G4 (no password).
+fn engine_g4(store: bool, remote: &RemoteFlags) -> String {
+    match (&remote.remote, store) {
+        (Some(url), true) => kvtier_store::remote::redact_url(url),
+        _ => "none".into(),
+    }
 }
 
 /// G1 pages when `--pool-pages` is not given.
@@ -177,25 +190,28 @@ async fn run_async(args: ServeArgs) -> Result<()> {
         .local_addr()
         .with_context(|| format!("cannot read the address bound for {addr}"))?;
 
-    let store = if args.no_prefix_reuse || (args.g2_bytes == 0 && args.g3_bytes == 0) {
-        None
-    } else {
-        let mut disk_dirs = Vec::new();
-        if args.g3_bytes > 0 {
-            std::fs::create_dir_all(&args.cache_dir).with_context(|| {
-                format!(
-                    "cannot create the cache directory {}",
-                    args.cache_dir.display()
-                )
-            })?;
-            disk_dirs.push(args.cache_dir.clone());
-        }
-        Some(StoreOptions {
-            memory_bytes: args.g2_bytes,
-            disk_dirs,
-            disk_bytes: args.g3_bytes,
-        })
-    };
+    let remote = args.remote.config();
+    let store =
+        if args.no_prefix_reuse || (args.g2_bytes == 0 && args.g3_bytes == 0 && remote.is_none()) {
+            None
+        } else {
+            let mut disk_dirs = Vec::new();
+            if args.g3_bytes > 0 {
+                std::fs::create_dir_all(&args.cache_dir).with_context(|| {
+                    format!(
+                        "cannot create the cache directory {}",
+                        args.cache_dir.display()
+                    )
+                })?;
+                disk_dirs.push(args.cache_dir.clone());
+            }
+            Some(StoreOptions {
+                memory_bytes: args.g2_bytes,
+                disk_dirs,
+                disk_bytes: args.g3_bytes,
+                remote,
+            })
+        };
     let opts = EngineOptions {
         block_tokens,
         pool_pages,
@@ -221,7 +237,7 @@ async fn run_async(args: ServeArgs) -> Result<()> {
     let stop_tokens = engine.config().eos_ids();
     eprintln!(
         "loaded in {:.2} s: context {context} tokens, {pool_pages} G1 pages of {block_tokens} \
-         tokens, G2 {} B, G3 {} B under {}, prefix reuse {}",
+         tokens, G2 {} B, G3 {} B under {}, G4 {}, prefix reuse {}",
         t0.elapsed().as_secs_f64(),
         args.g2_bytes,
         if store_metrics.is_some() {
@@ -230,6 +246,7 @@ async fn run_async(args: ServeArgs) -> Result<()> {
             0
         },
         args.cache_dir.display(),
+        engine_g4(store_metrics.is_some(), &args.remote),
         if args.no_prefix_reuse { "off" } else { "on" },
     );
     let scheduler = Arc::new(

@@ -10,6 +10,7 @@
 //!   against the device's write limit.
 //! * `kvtier model init`: write an embedded default model (tiny, small).
 //! * `kvtier serve`: the OpenAI-compatible HTTP server ([`server`]).
+//! * `kvtier prefill`: compute a prompt's KV and leave it in the G4 pool.
 //!
 //! Errors go to stderr with their causes, and the exit status is non-zero.
 
@@ -26,12 +27,14 @@ mod cmd_info;
 mod cmd_model_init;
 mod cmd_model_load;
 mod cmd_model_synth;
+mod cmd_prefill;
 mod cmd_serve;
 mod device_limit;
 mod host;
 mod load_contenders;
 mod prefault;
 mod python_contenders;
+mod remote_flags;
 mod report;
 mod server;
 mod size;
@@ -70,6 +73,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Model(ModelCommand::Synth(args)) => cmd_model_synth::run(&args),
         Command::Checkpoint(CheckpointCommand::Bench(args)) => bench_checkpoint::run(&args),
         Command::Serve(args) => cmd_serve::run(&args),
+        Command::Prefill(args) => cmd_prefill::run(&args),
     }
 }
 

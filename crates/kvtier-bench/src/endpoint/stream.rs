@@ -88,6 +88,7 @@ impl StreamState {
                     g1: tier("g1"),
                     g2: tier("g2"),
                     g3: tier("g3"),
+                    g4: tier("g4"),
                 });
             }
             self.restored_bytes = k
@@ -148,11 +149,12 @@ mod tests {
             TierTokens {
                 g1: 32,
                 g2: 0,
-                g3: 0
+                g3: 0,
+                g4: 0
             }
         );
         s.absorb(
-            &json!({"kvtier": {"cached_tokens": {"g1": 0, "g2": 16, "g3": 16}, "restored_bytes": 9}}),
+            &json!({"kvtier": {"cached_tokens": {"g1": 0, "g2": 16, "g3": 16, "g4": 32}, "restored_bytes": 9}}),
             0.2,
         )
         .unwrap();
@@ -162,7 +164,8 @@ mod tests {
             TierTokens {
                 g1: 0,
                 g2: 16,
-                g3: 16
+                g3: 16,
+                g4: 32
             }
         );
         assert_eq!(rec.restored_bytes, 9);

@@ -220,6 +220,7 @@ impl Generation {
                 g1: c.g1,
                 g2: c.g2,
                 g3: c.g3,
+                g4: c.g4,
             },
             ttft_seconds: self.started.ttft_seconds,
             engine_ttft_seconds: self.started.engine_ttft_seconds,

@@ -120,7 +120,7 @@ impl ServerMetrics {
             },
         }
         // Every tier shows up from the start, at 0.
-        for tier in ["g1", "g2", "g3"] {
+        for tier in ["g1", "g2", "g3", "g4"] {
             m.cached_prompt_tokens
                 .get_or_create(&vec![("tier", tier.to_string())])
                 .inc_by(0);
@@ -141,7 +141,12 @@ impl ServerMetrics {
     /// Records an admitted prompt and where its cached part came from.
     pub fn record_prompt(&self, prompt_tokens: usize, cached: CachedTokens, restored: u64) {
         self.prompt_tokens.inc_by(prompt_tokens as u64);
-        for (tier, n) in [("g1", cached.g1), ("g2", cached.g2), ("g3", cached.g3)] {
+        for (tier, n) in [
+            ("g1", cached.g1),
+            ("g2", cached.g2),
+            ("g3", cached.g3),
+            ("g4", cached.g4),
+        ] {
             self.cached_prompt_tokens
                 .get_or_create(&vec![("tier", tier.to_string())])
                 .inc_by(n as u64);
@@ -184,6 +189,7 @@ mod tests {
                 g1: 16,
                 g2: 32,
                 g3: 0,
+                g4: 8,
             },
             4096,
         );
@@ -193,6 +199,7 @@ mod tests {
             "kvtier_server_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1",
             "kvtier_server_cached_prompt_tokens_total{tier=\"g2\"} 32",
             "kvtier_server_cached_prompt_tokens_total{tier=\"g3\"} 0",
+            "kvtier_server_cached_prompt_tokens_total{tier=\"g4\"} 8",
             "kvtier_server_prompt_tokens_total 100",
             "kvtier_store_hits_total{tier=\"g2\"}",
         ] {

@@ -102,6 +102,8 @@ pub struct TierTokens {
     pub g2: usize,
     /// From G3 (disk).
     pub g3: usize,
+    /// From G4 (the pool shared by nodes).
+    pub g4: usize,
 }
 
 /// kvtier's additions to a response (the `kvtier` field).

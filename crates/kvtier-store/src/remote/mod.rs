@@ -1,0 +1,419 @@
+//! G4: a KV block pool shared by many nodes, on engines operators already
+//! run: Redis/Valkey (one node or a cluster, cargo feature `redis`) and
+//! S3-compatible object stores (cargo feature `s3`). Both features are on by
+//! default.
+//!
+//! [`RemoteTier`] is a blocking API, like the other tiers, over a small
+//! tokio runtime of its own (two threads), so callers in any context (an
+//! engine thread, a tokio blocking task, an async handler) can use it. Every
+//! operation:
+//!
+//! * asks the circuit breaker ([`breaker`]) first; while it is open the
+//!   operation is not sent at all: lookups and reads are misses, writes are
+//!   dropped;
+//! * runs under a time limit ([`RemoteConfig::timeout`]) per batch of at most
+//!   [`RemoteConfig::batch_bytes`]; an error or a timeout is a failure for
+//!   the breaker and a miss for the caller. A key that is not there is an
+//!   answer, not a failure.
+//!
+//! The tier moves encoded blocks (header and payload, without the disk
+//! padding) and knows nothing of their contents; the
+//! [`TieredStore`](crate::TieredStore) verifies every block it reads from
+//! here (checksums, key, model, layout) and deletes one that fails.
+
+pub mod breaker;
+pub mod config;
+#[cfg(feature = "redis")]
+mod redis_backend;
+#[cfg(feature = "s3")]
+mod s3_backend;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_io::AlignedBuf;
+
+pub use breaker::{Breaker, BreakerConfig, BreakerState};
+pub use config::{RemoteConfig, S3Options, Target, parse_target, redact_url};
+
+use crate::key::BlockKey;
+use crate::metrics::{RemoteMetrics, TierMetrics};
+
+/// Why a G4 operation failed. Callers of the store never see these: they
+/// become misses; they are logged and counted.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RemoteError {
+    /// The URL or settings cannot work (reported when the store opens).
+    #[error("{0}")]
+    Config(String),
+    /// The pool answered with an error, or the connection failed.
+    #[error("G4 error: {0}")]
+    Backend(String),
+    /// The operation ran past its time limit.
+    #[error("G4 operation timed out after {0:?}")]
+    Timeout(Duration),
+    /// The circuit breaker is open: the operation was not sent.
+    #[error("G4 unavailable (circuit breaker open)")]
+    Unavailable,
+}
+
+enum Backend {
+    #[cfg(feature = "redis")]
+    Redis(Box<redis_backend::RedisBackend>),
+    #[cfg(feature = "s3")]
+    S3(s3_backend::S3Backend),
+}
+
+impl Backend {
+    fn open(config: &RemoteConfig, target: &Target) -> Result<Self, RemoteError> {
+        let _ = config;
+        match target {
+            #[cfg(feature = "redis")]
+            Target::Redis(url) => Ok(Backend::Redis(Box::new(redis_backend::RedisBackend::node(
+                url,
+                config.connect_timeout,
+                config.timeout,
+                config.ttl,
+            )?))),
+            #[cfg(feature = "redis")]
+            Target::RedisCluster(nodes) => Ok(Backend::Redis(Box::new(
+                redis_backend::RedisBackend::cluster(
+                    nodes,
+                    config.connect_timeout,
+                    config.timeout,
+                    config.ttl,
+                )?,
+            ))),
+            #[cfg(feature = "s3")]
+            Target::S3 {
+                bucket,
+                endpoint,
+                region,
+                ..
+            } => Ok(Backend::S3(s3_backend::S3Backend::new(
+                bucket,
+                endpoint.as_deref(),
+                region.as_deref(),
+                &config.s3,
+                config.connect_timeout,
+                config.timeout,
+            )?)),
+            #[allow(unreachable_patterns)]
+            other => Err(RemoteError::Config(format!(
+                "G4 {other:?}: this kvtier was built without the cargo feature for it \
+                 (`redis` or `s3`)"
+            ))),
+        }
+    }
+
+    fn shown(&self) -> &str {
+        match self {
+            #[cfg(feature = "redis")]
+            Backend::Redis(b) => b.shown(),
+            #[cfg(feature = "s3")]
+            Backend::S3(b) => b.shown(),
+            #[allow(unreachable_patterns)]
+            _ => "G4",
+        }
+    }
+
+    async fn exists(&self, names: &[String], in_flight: usize) -> Result<Vec<bool>, RemoteError> {
+        let _ = (names, in_flight);
+        match self {
+            #[cfg(feature = "redis")]
+            Backend::Redis(b) => b.exists(names, in_flight).await,
+            #[cfg(feature = "s3")]
+            Backend::S3(b) => b.exists(names, in_flight).await,
+            #[allow(unreachable_patterns)]
+            _ => Err(RemoteError::Unavailable),
+        }
+    }
+
+    async fn get(
+        &self,
+        names: &[String],
+        in_flight: usize,
+    ) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
+        let _ = (names, in_flight);
+        match self {
+            #[cfg(feature = "redis")]
+            Backend::Redis(b) => b.get(names, in_flight).await,
+            #[cfg(feature = "s3")]
+            Backend::S3(b) => b.get(names, in_flight).await,
+            #[allow(unreachable_patterns)]
+            _ => Err(RemoteError::Unavailable),
+        }
+    }
+
+    async fn put(
+        &self,
+        items: Vec<(String, Arc<AlignedBuf>, usize)>,
+        in_flight: usize,
+    ) -> Result<(), RemoteError> {
+        let _ = (&items, in_flight);
+        match self {
+            #[cfg(feature = "redis")]
+            Backend::Redis(b) => b.put(items, in_flight).await,
+            #[cfg(feature = "s3")]
+            Backend::S3(b) => b.put(items, in_flight).await,
+            #[allow(unreachable_patterns)]
+            _ => Err(RemoteError::Unavailable),
+        }
+    }
+
+    async fn delete(&self, name: &str) -> Result<(), RemoteError> {
+        let _ = name;
+        match self {
+            #[cfg(feature = "redis")]
+            Backend::Redis(b) => b.delete(name).await,
+            #[cfg(feature = "s3")]
+            Backend::S3(b) => b.delete(name).await,
+            #[allow(unreachable_patterns)]
+            _ => Err(RemoteError::Unavailable),
+        }
+    }
+}
+
+/// A block to write through to G4: its key, its encoded bytes and how many
+/// of them to send (header and payload; the padding stays home).
+pub type RemoteBlock = (BlockKey, Arc<AlignedBuf>, usize);
+
+/// The G4 tier (see the module docs). Thread-safe.
+pub struct RemoteTier {
+    backend: Arc<Backend>,
+    rt: Option<tokio::runtime::Runtime>,
+    breaker: Breaker,
+    key_prefix: String,
+    timeout: Duration,
+    in_flight: usize,
+    batch_blocks: usize,
+    metrics: TierMetrics,
+    remote: RemoteMetrics,
+}
+
+impl std::fmt::Debug for RemoteTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteTier")
+            .field("pool", &self.backend.shown())
+            .field("key_prefix", &self.key_prefix)
+            .field("breaker", &self.breaker.state())
+            .finish()
+    }
+}
+
+impl RemoteTier {
+    /// Sets up the tier for blocks of about `block_bytes` each (sizes the
+    /// batches). Does not connect: a pool that is down now is a run of
+    /// misses until it is up, not an error. Fails only on a configuration
+    /// that cannot work.
+    pub fn open(
+        config: &RemoteConfig,
+        block_bytes: u64,
+        metrics: TierMetrics,
+        remote: RemoteMetrics,
+    ) -> Result<Self, RemoteError> {
+        let target = config.target()?;
+        if config.namespace.is_empty() || config.namespace.contains(['/', ' ']) {
+            return Err(RemoteError::Config(format!(
+                "G4 namespace {:?} must be non-empty, without '/' or spaces",
+                config.namespace
+            )));
+        }
+        let key_prefix = match &target {
+            Target::S3 { prefix, .. } if !prefix.is_empty() => {
+                format!("{prefix}/{}/", config.namespace)
+            }
+            Target::S3 { .. } => format!("{}/", config.namespace),
+            _ => format!("{}:", config.namespace),
+        };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvtier-g4")
+            .enable_all()
+            .build()
+            .map_err(|e| RemoteError::Config(format!("cannot start the G4 runtime: {e}")))?;
+        // Building some clients (object_store's HTTP client) wants a runtime.
+        let backend = {
+            let _guard = rt.enter();
+            Backend::open(config, &target)?
+        };
+        let batch_blocks = (config.batch_bytes / block_bytes.max(1)).clamp(1, 1 << 16) as usize;
+        Ok(Self {
+            backend: Arc::new(backend),
+            rt: Some(rt),
+            breaker: Breaker::new(config.breaker),
+            key_prefix,
+            timeout: config.timeout,
+            in_flight: config.in_flight.max(1),
+            batch_blocks,
+            metrics,
+            remote,
+        })
+    }
+
+    /// The pool, as logs show it (no password).
+    pub fn shown(&self) -> &str {
+        self.backend.shown()
+    }
+
+    /// The breaker's state now.
+    pub fn breaker_state(&self) -> BreakerState {
+        self.breaker.state()
+    }
+
+    /// The name `key` has in the pool.
+    pub fn name(&self, key: &BlockKey) -> String {
+        format!("{}{}", self.key_prefix, key.to_hex())
+    }
+
+    /// Runs one operation on the tier's runtime under the breaker and the
+    /// time limit, and waits for it.
+    fn call<T, F>(&self, op: impl FnOnce(Arc<Backend>) -> F) -> Result<T, RemoteError>
+    where
+        T: Send + 'static,
+        F: Future<Output = Result<T, RemoteError>> + Send + 'static,
+    {
+        let Some(rt) = &self.rt else {
+            return Err(RemoteError::Unavailable);
+        };
+        let was = self.breaker.state();
+        if !self.breaker.allow(Instant::now()) {
+            return Err(RemoteError::Unavailable);
+        }
+        let fut = op(self.backend.clone());
+        let limit = self.timeout;
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        rt.spawn(async move {
+            let r = tokio::time::timeout(limit, fut)
+                .await
+                .unwrap_or(Err(RemoteError::Timeout(limit)));
+            let _ = tx.send(r);
+        });
+        let r = rx
+            .recv()
+            .unwrap_or_else(|_| Err(RemoteError::Backend("the G4 task was dropped".into())));
+        match &r {
+            Ok(_) => {
+                self.breaker.success();
+                if was != BreakerState::Closed {
+                    tracing::info!("G4 {} answers again; circuit breaker closed", self.shown());
+                }
+            }
+            Err(e) => {
+                if matches!(e, RemoteError::Timeout(_)) {
+                    self.remote.timeouts.inc();
+                } else {
+                    self.remote.errors.inc();
+                }
+                if self.breaker.failure(Instant::now()) {
+                    tracing::warn!(
+                        "G4 {} failing ({e}); circuit breaker open, serving misses",
+                        self.shown()
+                    );
+                } else {
+                    tracing::debug!("G4 {}: {e}", self.shown());
+                }
+            }
+        }
+        self.remote
+            .breaker_open
+            .set(i64::from(self.breaker.state() != BreakerState::Closed));
+        r
+    }
+
+    /// Which of `keys` the pool holds. On any failure the unanswered keys
+    /// are reported absent.
+    pub fn contains_many(&self, keys: &[BlockKey]) -> Vec<bool> {
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(self.batch_blocks) {
+            let names: Vec<String> = chunk.iter().map(|k| self.name(k)).collect();
+            let n = self.in_flight;
+            match self.call(move |b| async move { b.exists(&names, n).await }) {
+                Ok(found) => out.extend(found),
+                Err(_) => break,
+            }
+        }
+        out.resize(keys.len(), false);
+        out
+    }
+
+    /// Reads `keys` (`None`: absent, or the pool failed). The bytes are not
+    /// verified here.
+    pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<Vec<u8>>> {
+        let mut out: Vec<Option<Vec<u8>>> = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(self.batch_blocks) {
+            let names: Vec<String> = chunk.iter().map(|k| self.name(k)).collect();
+            let n = self.in_flight;
+            let t = Instant::now();
+            match self.call(move |b| async move { b.get(&names, n).await }) {
+                Ok(values) => {
+                    self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
+                    let bytes: usize = values.iter().flatten().map(Vec::len).sum();
+                    self.metrics.read_bytes.inc_by(bytes as u64);
+                    out.extend(values);
+                }
+                Err(_) => break,
+            }
+        }
+        out.resize(keys.len(), None);
+        out
+    }
+
+    /// Writes `blocks`; returns how many were written. Stops at the first
+    /// failed batch (logged and counted); the caller counts the rest.
+    pub fn put_many(&self, blocks: Vec<RemoteBlock>) -> usize {
+        let mut blocks = blocks;
+        let mut written = 0;
+        while !blocks.is_empty() {
+            let rest = blocks.split_off(blocks.len().min(self.batch_blocks));
+            let items: Vec<(String, Arc<AlignedBuf>, usize)> = blocks
+                .into_iter()
+                .map(|(k, buf, len)| {
+                    let len = len.min(buf.len());
+                    (self.name(&k), buf, len)
+                })
+                .collect();
+            let bytes: usize = items.iter().map(|(_, _, len)| len).sum();
+            let count = items.len();
+            let n = self.in_flight;
+            let t = Instant::now();
+            match self.call(move |b| async move { b.put(items, n).await }) {
+                Ok(()) => {
+                    self.metrics
+                        .write_seconds
+                        .observe(t.elapsed().as_secs_f64());
+                    self.metrics.written_bytes.inc_by(bytes as u64);
+                    written += count;
+                }
+                Err(e) => {
+                    if !matches!(e, RemoteError::Unavailable) {
+                        self.metrics.put_errors.inc();
+                    }
+                    return written;
+                }
+            }
+            blocks = rest;
+        }
+        written
+    }
+
+    /// Deletes `key` from the pool (a block that failed verification), best
+    /// effort.
+    pub fn delete(&self, key: &BlockKey) {
+        let name = self.name(key);
+        if let Err(e) = self.call(move |b| async move { b.delete(&name).await }) {
+            tracing::debug!("deleting corrupt G4 block {key} failed: {e}");
+        }
+    }
+}
+
+impl Drop for RemoteTier {
+    fn drop(&mut self) {
+        // Never blocks and never panics, even when dropped inside another
+        // runtime's async context.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}

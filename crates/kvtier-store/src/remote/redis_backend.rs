@@ -1,0 +1,241 @@
+//! G4 on Redis or Valkey, one node or a cluster, through the `redis` crate.
+//!
+//! Values are whole encoded blocks under `<namespace>:<block key hex>`.
+//! Every batch sends its commands concurrently over one multiplexed
+//! connection (a connection manager for one node, the cluster connection
+//! for a cluster), up to `in_flight` at once: the commands go out back to
+//! back like a pipeline, and in a cluster each goes to the node owning its
+//! slot (a `MGET` or a single pipeline would have to stay in one slot).
+//! A failed connection is dropped and made again on the next operation the
+//! circuit breaker lets through.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::stream;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, FromRedisValue, RedisError};
+use tokio::sync::Mutex;
+
+use super::RemoteError;
+use super::config::redact_url;
+
+#[derive(Clone)]
+enum Conn {
+    Node(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    async fn query<T: FromRedisValue>(&mut self, cmd: &Cmd) -> Result<T, RedisError> {
+        match self {
+            Conn::Node(c) => cmd.query_async(c).await,
+            Conn::Cluster(c) => cmd.query_async(c).await,
+        }
+    }
+}
+
+// One per pool, made once: the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Client {
+    Node(redis::Client),
+    Cluster(ClusterClient),
+}
+
+/// A Redis/Valkey G4 backend.
+pub struct RedisBackend {
+    client: Client,
+    /// Shown in errors and logs (password redacted).
+    shown: String,
+    conn: Mutex<Option<Conn>>,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+    ttl: Option<Duration>,
+}
+
+fn redis_err(shown: &str, e: &RedisError) -> RemoteError {
+    // The redis crate's errors name the server, never its password.
+    RemoteError::Backend(format!("{shown}: {e}"))
+}
+
+impl RedisBackend {
+    /// A backend for one node (`url` as the `redis` crate parses it).
+    /// Connects lazily.
+    pub fn node(
+        url: &str,
+        connect_timeout: Duration,
+        response_timeout: Duration,
+        ttl: Option<Duration>,
+    ) -> Result<Self, RemoteError> {
+        let shown = redact_url(url);
+        let client = redis::Client::open(url).map_err(|e| {
+            RemoteError::Config(format!(
+                "G4 URL {shown}: {}",
+                e.to_string().replace(url, &shown)
+            ))
+        })?;
+        Ok(Self {
+            client: Client::Node(client),
+            shown,
+            conn: Mutex::new(None),
+            connect_timeout,
+            response_timeout,
+            ttl,
+        })
+    }
+
+    /// A backend for a cluster, from seed node URLs. Connects lazily.
+    pub fn cluster(
+        nodes: &[String],
+        connect_timeout: Duration,
+        response_timeout: Duration,
+        ttl: Option<Duration>,
+    ) -> Result<Self, RemoteError> {
+        let shown = nodes
+            .iter()
+            .map(|u| redact_url(u))
+            .collect::<Vec<_>>()
+            .join(",");
+        let client = ClusterClient::builder(nodes.iter().map(String::as_str))
+            .connection_timeout(connect_timeout)
+            .response_timeout(response_timeout)
+            .retries(1)
+            .build()
+            .map_err(|e| RemoteError::Config(format!("G4 cluster {shown}: {e}")))?;
+        Ok(Self {
+            client: Client::Cluster(client),
+            shown,
+            conn: Mutex::new(None),
+            connect_timeout,
+            response_timeout,
+            ttl,
+        })
+    }
+
+    /// What to call this pool in logs.
+    pub fn shown(&self) -> &str {
+        &self.shown
+    }
+
+    async fn conn(&self) -> Result<Conn, RemoteError> {
+        let mut guard = self.conn.lock().await;
+        if let Some(c) = guard.as_ref() {
+            return Ok(c.clone());
+        }
+        let made = match &self.client {
+            Client::Node(client) => {
+                let cfg = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.connect_timeout))
+                    .set_response_timeout(Some(self.response_timeout))
+                    .set_number_of_retries(1);
+                client
+                    .get_connection_manager_with_config(cfg)
+                    .await
+                    .map(Conn::Node)
+            }
+            Client::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
+        };
+        let conn = made.map_err(|e| redis_err(&self.shown, &e))?;
+        *guard = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Forgets the connection after a failure, so the next operation makes
+    /// a fresh one.
+    async fn reset(&self) {
+        *self.conn.lock().await = None;
+    }
+
+    async fn run_all<T: FromRedisValue + Send + 'static>(
+        &self,
+        cmds: Vec<Cmd>,
+        in_flight: usize,
+    ) -> Result<Vec<T>, RemoteError> {
+        let conn = self.conn().await?;
+        let results: Vec<Result<T, RedisError>> = stream::iter(cmds)
+            .map(|cmd| {
+                let mut c = conn.clone();
+                async move { c.query::<T>(&cmd).await }
+            })
+            .buffered(in_flight.max(1))
+            .collect()
+            .await;
+        let mut out = Vec::with_capacity(results.len());
+        for r in results {
+            match r {
+                Ok(v) => out.push(v),
+                Err(e) => {
+                    self.reset().await;
+                    return Err(redis_err(&self.shown, &e));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Which of `names` exist.
+    pub async fn exists(
+        &self,
+        names: &[String],
+        in_flight: usize,
+    ) -> Result<Vec<bool>, RemoteError> {
+        let cmds = names
+            .iter()
+            .map(|n| {
+                let mut c = redis::cmd("EXISTS");
+                c.arg(n);
+                c
+            })
+            .collect();
+        let counts: Vec<i64> = self.run_all(cmds, in_flight).await?;
+        Ok(counts.into_iter().map(|n| n > 0).collect())
+    }
+
+    /// The values of `names` (`None`: absent).
+    pub async fn get(
+        &self,
+        names: &[String],
+        in_flight: usize,
+    ) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
+        let cmds = names
+            .iter()
+            .map(|n| {
+                let mut c = redis::cmd("GET");
+                c.arg(n);
+                c
+            })
+            .collect();
+        self.run_all(cmds, in_flight).await
+    }
+
+    /// Writes every `(name, value)`.
+    pub async fn put(
+        &self,
+        items: Vec<(String, std::sync::Arc<kvtier_io::AlignedBuf>, usize)>,
+        in_flight: usize,
+    ) -> Result<(), RemoteError> {
+        let cmds = items
+            .iter()
+            .map(|(n, buf, len)| {
+                let mut c = redis::cmd("SET");
+                c.arg(n).arg(&buf[..*len]);
+                if let Some(ttl) = self.ttl {
+                    c.arg("PX").arg(ttl.as_millis().max(1) as u64);
+                }
+                c
+            })
+            .collect();
+        let _: Vec<redis::Value> = self.run_all(cmds, in_flight).await?;
+        Ok(())
+    }
+
+    /// Deletes `name` (a block that failed verification).
+    pub async fn delete(&self, name: &str) -> Result<(), RemoteError> {
+        let mut c = redis::cmd("DEL");
+        c.arg(name);
+        let _: Vec<i64> = self.run_all(vec![c], 1).await?;
+        Ok(())
+    }
+}

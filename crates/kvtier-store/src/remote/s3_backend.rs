@@ -1,0 +1,168 @@
+//! G4 on an S3-compatible object store (AWS S3, MinIO, Ceph RGW), through
+//! `object_store`.
+//!
+//! One object per block, `<prefix>/<namespace>/<block key hex>`; lookups
+//! are `HEAD`s, reads `GET`s, all of a batch in flight at once (up to
+//! `in_flight`). Retries are left to kvtier's breaker (object_store's own
+//! retry loop is limited to one quick retry), so a dead endpoint turns into
+//! misses within the operation timeout.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::stream;
+use kvtier_io::AlignedBuf;
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::path::Path;
+use object_store::{ClientOptions, ObjectStoreExt, PutPayload, RetryConfig};
+
+use super::RemoteError;
+use super::config::S3Options;
+
+/// An S3 G4 backend.
+pub struct S3Backend {
+    store: AmazonS3,
+    shown: String,
+}
+
+/// Object paths, owned (the futures of a batch must not borrow the names).
+fn paths(names: &[String]) -> Vec<Path> {
+    names.iter().map(|n| Path::from(n.as_str())).collect()
+}
+
+fn s3_err(shown: &str, e: &object_store::Error) -> RemoteError {
+    RemoteError::Backend(format!("{shown}: {e}"))
+}
+
+impl S3Backend {
+    /// A backend for `bucket` (objects under `prefix`), configured from
+    /// `opts`, then the URL's query, then the environment.
+    pub fn new(
+        bucket: &str,
+        endpoint: Option<&str>,
+        region: Option<&str>,
+        opts: &S3Options,
+        connect_timeout: Duration,
+        timeout: Duration,
+    ) -> Result<Self, RemoteError> {
+        let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
+        let endpoint = opts.endpoint.as_deref().or(endpoint);
+        if let Some(ep) = endpoint {
+            b = b.with_endpoint(ep);
+        }
+        if let Some(r) = opts.region.as_deref().or(region) {
+            b = b.with_region(r);
+        }
+        if let Some(k) = &opts.access_key_id {
+            b = b.with_access_key_id(k);
+        }
+        if let Some(s) = &opts.secret_access_key {
+            b = b.with_secret_access_key(s);
+        }
+        let http = endpoint.is_some_and(|e| e.starts_with("http://"));
+        let client = ClientOptions::new()
+            .with_allow_http(http)
+            .with_connect_timeout(connect_timeout)
+            .with_timeout(timeout);
+        let retry = RetryConfig {
+            max_retries: 1,
+            retry_timeout: timeout,
+            ..RetryConfig::default()
+        };
+        let shown = format!(
+            "s3://{bucket}{}",
+            endpoint.map_or(String::new(), |e| format!(" at {e}"))
+        );
+        let store = b
+            .with_client_options(client)
+            .with_retry(retry)
+            // Path-style requests (`endpoint/bucket/key`): what MinIO and
+            // most S3-compatible servers expect.
+            .with_virtual_hosted_style_request(false)
+            .build()
+            .map_err(|e| RemoteError::Config(format!("G4 {shown}: {e}")))?;
+        Ok(Self { store, shown })
+    }
+
+    /// What to call this pool in logs.
+    pub fn shown(&self) -> &str {
+        &self.shown
+    }
+
+    /// Which of `names` exist.
+    pub async fn exists(
+        &self,
+        names: &[String],
+        in_flight: usize,
+    ) -> Result<Vec<bool>, RemoteError> {
+        let results: Vec<Result<bool, object_store::Error>> = stream::iter(paths(names))
+            .map(|p| async move {
+                match self.store.head(&p).await {
+                    Ok(_) => Ok(true),
+                    Err(object_store::Error::NotFound { .. }) => Ok(false),
+                    Err(e) => Err(e),
+                }
+            })
+            .buffered(in_flight.max(1))
+            .collect()
+            .await;
+        results
+            .into_iter()
+            .map(|r| r.map_err(|e| s3_err(&self.shown, &e)))
+            .collect()
+    }
+
+    /// The values of `names` (`None`: absent).
+    pub async fn get(
+        &self,
+        names: &[String],
+        in_flight: usize,
+    ) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
+        let results: Vec<Result<Option<Vec<u8>>, object_store::Error>> = stream::iter(paths(names))
+            .map(|p| async move {
+                match self.store.get(&p).await {
+                    Ok(r) => r.bytes().await.map(|b| Some(b.to_vec())),
+                    Err(object_store::Error::NotFound { .. }) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            })
+            .buffered(in_flight.max(1))
+            .collect()
+            .await;
+        results
+            .into_iter()
+            .map(|r| r.map_err(|e| s3_err(&self.shown, &e)))
+            .collect()
+    }
+
+    /// Writes every `(name, value)`.
+    pub async fn put(
+        &self,
+        items: Vec<(String, Arc<AlignedBuf>, usize)>,
+        in_flight: usize,
+    ) -> Result<(), RemoteError> {
+        let results: Vec<Result<(), object_store::Error>> = stream::iter(items)
+            .map(|(n, buf, len)| async move {
+                let payload = PutPayload::from(buf[..len].to_vec());
+                self.store
+                    .put(&Path::from(n.as_str()), payload)
+                    .await
+                    .map(|_| ())
+            })
+            .buffered(in_flight.max(1))
+            .collect()
+            .await;
+        results
+            .into_iter()
+            .try_for_each(|r| r.map_err(|e| s3_err(&self.shown, &e)))
+    }
+
+    /// Deletes `name` (a block that failed verification).
+    pub async fn delete(&self, name: &str) -> Result<(), RemoteError> {
+        self.store
+            .delete(&Path::from(name))
+            .await
+            .map_err(|e| s3_err(&self.shown, &e))
+    }
+}

@@ -1,0 +1,317 @@
+//! G4 against real servers started by the test (kvtier-testkit): a
+//! redis-server, a three-node Redis Cluster and a local S3 server (moto).
+//! Two stores with their own G2/G3 share blocks through G4; corrupt values
+//! are misses and deleted; tenants never see each other's blocks; a dead
+//! pool is misses with the breaker open, and hits resume after a restart.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvtier_store::remote::{BreakerConfig, BreakerState};
+use kvtier_store::{KeyChain, RemoteConfig, StoreConfig, Tier, TieredStore};
+use kvtier_testkit::{RedisCluster, RedisServer, S3Server};
+
+/// A store with G2 (and G3 on `dir` when given) over the G4 `remote`.
+fn remote_store(dir: Option<&Path>, remote: RemoteConfig) -> TieredStore {
+    let mut c = store_config(dir, 256, 256);
+    c.remote = Some(remote);
+    open(c)
+}
+
+fn fast_breaker(url: &str) -> RemoteConfig {
+    let mut r = RemoteConfig::new(url);
+    r.timeout = Duration::from_millis(800);
+    r.connect_timeout = Duration::from_millis(300);
+    r.breaker = BreakerConfig {
+        failures_to_open: 2,
+        open_for: Duration::from_millis(200),
+        max_open_for: Duration::from_millis(400),
+    };
+    r
+}
+
+/// Store A writes `ks` through to G4; store B, with empty G2/G3 of its own,
+/// finds them in G4, reads them verified, promotes them, and writes them to
+/// its own G3 when they leave G2.
+fn shares_blocks_between_two_stores(remote: RemoteConfig) {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let ks = keys(0..48);
+    let a = remote_store(Some(da.path()), remote.clone());
+    assert_eq!(put(&a, &ks).stored, 48);
+    a.flush().unwrap();
+    assert_eq!(
+        a.metrics().g4.written_bytes.get(),
+        48 * (PAYLOAD as u64 + 128),
+        "header and payload of every block, without the disk padding"
+    );
+    assert_eq!(a.metrics().remote.dropped_puts.get(), 0);
+
+    let b = remote_store(Some(db.path()), remote);
+    let look = b.lookup_prefix(&ks);
+    assert_eq!(look.hits(), 48, "{look:?}");
+    assert_eq!(look.hits_in(Tier::G4), 48);
+    let tiers = assert_all_hits(&ks, &b.get_many(&ks));
+    assert!(tiers.iter().all(|&t| t == Tier::G4), "{tiers:?}");
+    assert_eq!(b.metrics().g4.hits.get(), 48);
+    assert_eq!(b.metrics().g4.corrupt_blocks.get(), 0);
+
+    // Promoted into G2, then written to B's own G3 when G2 lets them go.
+    assert_eq!(b.lookup_prefix(&ks).hits_in(Tier::G2), 48);
+    b.evict_memory().unwrap();
+    assert_eq!(b.lookup_prefix(&ks).hits_in(Tier::G3), 48);
+    let tiers = assert_all_hits(&ks, &b.get_many(&ks));
+    assert!(tiers.iter().all(|&t| t == Tier::G3), "{tiers:?}");
+    assert_eq!(b.metrics().g4.hits.get(), 48, "no second G4 read");
+}
+
+#[test]
+fn redis_two_stores_share_blocks_through_g4() {
+    let redis = RedisServer::start().unwrap();
+    shares_blocks_between_two_stores(RemoteConfig::new(redis.url()));
+    // Blocks live under the namespace.
+    let keys = redis.command(&[b"KEYS", b"kvtier:*"]).unwrap();
+    assert_eq!(keys.as_array().map(<[_]>::len), Some(48), "{keys:?}");
+}
+
+#[test]
+fn redis_cluster_spreads_blocks_over_its_nodes_and_serves_them() {
+    let cluster = RedisCluster::start(3).unwrap();
+    shares_blocks_between_two_stores(RemoteConfig::new(cluster.url()));
+    let mut total = 0;
+    for node in 0..3 {
+        let n = cluster
+            .command_on(node, &[b"DBSIZE"])
+            .unwrap()
+            .as_integer()
+            .unwrap();
+        assert!(n > 0, "node {node} holds no block: slots not spread");
+        total += n;
+    }
+    assert_eq!(total, 48);
+}
+
+#[test]
+fn s3_two_stores_share_blocks_through_g4() {
+    let s3 = S3Server::start().unwrap();
+    s3.create_bucket("kvpool").unwrap();
+    let mut r = RemoteConfig::new(format!("s3://kvpool/pool?endpoint={}", s3.endpoint()));
+    r.s3.access_key_id = Some("test".into());
+    r.s3.secret_access_key = Some("test".into());
+    r.s3.region = Some("us-east-1".into());
+    shares_blocks_between_two_stores(r);
+    let listing = s3
+        .request("GET", "/kvpool?list-type=2&prefix=pool/kvtier/", &[], b"")
+        .unwrap();
+    assert_eq!(listing.status, 200);
+    let body = String::from_utf8_lossy(&listing.body);
+    assert_eq!(body.matches("<Key>pool/kvtier/").count(), 48, "{body}");
+}
+
+#[test]
+fn a_corrupt_or_foreign_value_in_redis_is_a_miss_and_is_deleted() {
+    let redis = RedisServer::start().unwrap();
+    let remote = RemoteConfig::new(redis.url());
+    let ks = keys(0..4);
+    let a = remote_store(None, remote.clone());
+    put(&a, &ks);
+    a.flush().unwrap();
+    let name = |k: &kvtier_store::BlockKey| format!("kvtier:{}", k.to_hex()).into_bytes();
+
+    // 0: one payload byte flipped; 1: cut short; 2: garbage; 3: intact.
+    let mut v = redis
+        .command(&[b"GET", &name(&ks[0])])
+        .unwrap()
+        .as_bytes()
+        .unwrap()
+        .to_vec();
+    v[128 + 77] ^= 0x40;
+    redis.command(&[b"SET", &name(&ks[0]), &v]).unwrap();
+    let v = redis
+        .command(&[b"GET", &name(&ks[1])])
+        .unwrap()
+        .as_bytes()
+        .unwrap()
+        .to_vec();
+    redis
+        .command(&[b"SET", &name(&ks[1]), &v[..v.len() / 2]])
+        .unwrap();
+    redis
+        .command(&[b"SET", &name(&ks[2]), b"not a block"])
+        .unwrap();
+
+    let b = remote_store(None, remote);
+    let got = b.get_many(&ks);
+    assert!(got[0].is_none() && got[1].is_none() && got[2].is_none());
+    assert_all_hits(&ks[3..], &got[3..]);
+    assert_eq!(b.metrics().g4.corrupt_blocks.get(), 3);
+    assert_eq!(b.metrics().g4.misses.get(), 3);
+    for k in &ks[..3] {
+        let exists = redis.command(&[b"EXISTS", &name(k)]).unwrap();
+        assert_eq!(
+            exists.as_integer(),
+            Some(0),
+            "corrupt block {k} not deleted"
+        );
+    }
+
+    // A block of another model under the right key is refused too.
+    let mut other = store_config(None, 16, 0);
+    other.fingerprint = kvtier_store::ModelFingerprint::of_bytes(b"another model");
+    other.remote = Some(RemoteConfig::new(redis.url()));
+    let o = open(other);
+    put(&o, &ks[..1]);
+    o.flush().unwrap();
+    assert!(b.get_many(&ks[..1])[0].is_none());
+    assert_eq!(b.metrics().g4.corrupt_blocks.get(), 4);
+}
+
+#[test]
+fn a_tenants_prefix_never_hits_for_another_tenant() {
+    let redis = RedisServer::start().unwrap();
+    let tokens: Vec<u32> = (0..16 * 8).collect();
+    let chain = |salt: &[u8]| KeyChain::new(&fingerprint(), &layout(), salt);
+    let keys_a = chain(b"tenant-a").keys(&tokens);
+    let keys_b = chain(b"tenant-b").keys(&tokens);
+    assert_eq!(keys_a.len(), 8);
+
+    let a = remote_store(None, RemoteConfig::new(redis.url()));
+    put(&a, &keys_a);
+    a.flush().unwrap();
+    let b = remote_store(None, RemoteConfig::new(redis.url()));
+    assert_eq!(b.lookup_prefix(&keys_b).hits(), 0);
+    assert!(b.get_many(&keys_b).iter().all(Option::is_none));
+    assert_eq!(b.lookup_prefix(&keys_a).hits_in(Tier::G4), 8);
+
+    // Another namespace on the same pool sees nothing either.
+    let mut other_ns = RemoteConfig::new(redis.url());
+    other_ns.namespace = "staging".into();
+    let c = remote_store(None, other_ns);
+    assert_eq!(c.lookup_prefix(&keys_a).hits(), 0);
+}
+
+#[test]
+fn prefix_lookup_stops_at_the_first_block_no_tier_holds() {
+    let redis = RedisServer::start().unwrap();
+    let remote = RemoteConfig::new(redis.url());
+    let dir = tempfile::tempdir().unwrap();
+    let a = remote_store(None, remote.clone());
+    put(&a, &keys(0..8));
+    a.flush().unwrap();
+    // B holds 0..2 and 9 itself; G4 holds 0..8.
+    let b = remote_store(Some(dir.path()), remote);
+    put(&b, &keys(0..2));
+    put(&b, &keys(9..10));
+    let look = b.lookup_prefix(&keys(0..12));
+    assert_eq!(
+        look.tiers,
+        [vec![Tier::G2; 2], vec![Tier::G4; 6]].concat(),
+        "G2, G2, then G4 up to the missing key 8"
+    );
+}
+
+#[test]
+fn a_dead_pool_is_misses_with_the_breaker_open_and_hits_resume_after_restart() {
+    let mut redis = RedisServer::start().unwrap();
+    let url = redis.url();
+    let ks = keys(0..16);
+    let a = remote_store(None, fast_breaker(&url));
+    put(&a, &ks);
+    a.flush().unwrap();
+    let b = remote_store(None, fast_breaker(&url));
+    assert_eq!(b.lookup_prefix(&ks[..4]).hits_in(Tier::G4), 4);
+
+    redis.kill();
+    // Every call returns, with misses; the breaker opens.
+    for _ in 0..6 {
+        assert_eq!(b.lookup_prefix(&ks[4..]).hits(), 0);
+        assert!(b.get_many(&ks[8..]).iter().all(Option::is_none));
+    }
+    assert_ne!(b.remote().unwrap().breaker_state(), BreakerState::Closed);
+    let m = b.metrics();
+    assert!(m.remote.errors.get() + m.remote.timeouts.get() >= 2);
+    assert!(m.render().contains("kvtier_store_remote_breaker_open 1"));
+    // Puts never wait on the dead pool; what cannot be written is counted.
+    put(&a, &keys(100..104));
+    a.flush().unwrap();
+    put(&a, &keys(104..108));
+    a.flush().unwrap();
+    assert!(a.metrics().remote.dropped_puts.get() > 0);
+
+    redis.restart().unwrap();
+    // The breaker lets a probe through after its open time; lookups make
+    // the probes. The restarted server is empty (no persistence).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while b.remote().unwrap().breaker_state() != BreakerState::Closed {
+        assert!(Instant::now() < deadline, "breaker never closed again");
+        b.lookup_prefix(&ks[..1]);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        b.metrics()
+            .render()
+            .contains("kvtier_store_remote_breaker_open 0")
+    );
+    let fresh = keys(200..208);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        put(&a, &fresh);
+        a.flush().unwrap();
+        if b.lookup_prefix(&fresh).hits_in(Tier::G4) == 8 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "writes through A never resumed");
+        std::thread::sleep(Duration::from_millis(100));
+        // A's G2 already holds them: evict so the next put writes through.
+        a.memory().drain();
+    }
+    assert_all_hits(&fresh, &b.get_many(&fresh));
+}
+
+#[test]
+fn an_unreachable_pool_at_start_is_not_an_error() {
+    let port = kvtier_testkit::free_port().unwrap();
+    let s = remote_store(None, fast_breaker(&format!("redis://127.0.0.1:{port}")));
+    put(&s, &keys(0..4));
+    s.flush().unwrap();
+    assert_eq!(s.lookup_prefix(&keys(10..14)).hits(), 0);
+    assert_eq!(s.lookup_prefix(&keys(0..4)).hits_in(Tier::G2), 4);
+}
+
+#[test]
+fn redis_acl_credentials_are_used_and_never_shown() {
+    let redis = RedisServer::start_with_acl("kv", "s3cret-pw").unwrap();
+    let good = format!("redis://kv:s3cret-pw@127.0.0.1:{}", redis.port());
+    let a = remote_store(None, RemoteConfig::new(&good));
+    put(&a, &keys(0..2));
+    a.flush().unwrap();
+    assert_eq!(a.metrics().remote.dropped_puts.get(), 0);
+    let b = remote_store(None, RemoteConfig::new(&good));
+    assert_eq!(b.lookup_prefix(&keys(0..2)).hits_in(Tier::G4), 2);
+    assert!(!format!("{:?}", b.remote().unwrap()).contains("s3cret"));
+
+    let bad = format!("redis://kv:wrong@127.0.0.1:{}", redis.port());
+    let c = remote_store(None, fast_breaker(&bad));
+    assert_eq!(
+        c.lookup_prefix(&keys(0..2)).hits(),
+        0,
+        "wrong password: misses"
+    );
+    assert!(c.metrics().remote.errors.get() > 0);
+    assert!(!format!("{:?}", c).contains("wrong"));
+}
+
+#[test]
+fn bad_g4_urls_are_config_errors_that_hide_the_password() {
+    for url in ["redis+cluster://u:topsecret@", "memcached://x", "s3://"] {
+        let mut c = StoreConfig::new(layout(), fingerprint());
+        c.remote = Some(RemoteConfig::new(url));
+        let e = TieredStore::open(c).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("G4"), "{e}");
+        assert!(!e.contains("topsecret"), "{e}");
+    }
+}
