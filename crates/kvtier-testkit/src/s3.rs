@@ -69,8 +69,9 @@ impl HttpResponse {
 }
 
 /// moto's S3-compatible server on 127.0.0.1 (in-memory: a killed server
-/// loses every bucket); killed on drop. It accepts any credentials, and
-/// unsigned requests; the region is `us-east-1`. Buckets are addressed by
+/// loses every bucket); killed on drop. It accepts any credentials without
+/// checking signatures ([`S3Server::ACCESS_KEY_ID`] and friends are as good
+/// as any); the region is [`S3Server::REGION`]. Buckets are addressed by
 /// path (`ENDPOINT/bucket/key`).
 pub struct S3Server {
     // Field order matters: the process is killed before its directory goes.
@@ -80,6 +81,15 @@ pub struct S3Server {
 }
 
 impl S3Server {
+    /// An access key id for clients (moto accepts any).
+    pub const ACCESS_KEY_ID: &'static str = "testing";
+
+    /// A secret access key for clients (moto accepts any).
+    pub const SECRET_ACCESS_KEY: &'static str = "testing";
+
+    /// The region moto serves by default.
+    pub const REGION: &'static str = "us-east-1";
+
     /// Starts moto's server on a free port and waits (30 s at most) until
     /// `GET /` answers 200.
     ///
@@ -145,10 +155,14 @@ impl S3Server {
         Ok(())
     }
 
-    /// Sends one unsigned HTTP/1.1 request (`Host`, `Content-Length` and
+    /// Sends one HTTP/1.1 request (`Host`, `Content-Length` and
     /// `Connection: close` are added) and returns the response, whatever
     /// its status; for example `request("PUT", "/bucket/key", &[], b"v")`
     /// then `request("GET", "/bucket/key", &[], b"")`.
+    ///
+    /// Unless `headers` has an `Authorization`, a placeholder SigV4 one is
+    /// added: moto does not check signatures, but treats a request without
+    /// one as anonymous, and anonymous reads of (private) objects get 403.
     ///
     /// # Errors
     ///
@@ -160,7 +174,22 @@ impl S3Server {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> anyhow::Result<HttpResponse> {
-        http_request(self.port, method, path, headers, body)
+        if headers
+            .iter()
+            .any(|(name, _)| name.eq_ignore_ascii_case("authorization"))
+        {
+            return http_request(self.port, method, path, headers, body);
+        }
+        let authorization = format!(
+            "AWS4-HMAC-SHA256 Credential={}/20240101/{}/s3/aws4_request, \
+             SignedHeaders=host, Signature=0",
+            Self::ACCESS_KEY_ID,
+            Self::REGION
+        );
+        let mut all = Vec::with_capacity(headers.len() + 1);
+        all.push(("Authorization", authorization.as_str()));
+        all.extend_from_slice(headers);
+        http_request(self.port, method, path, &all, body)
     }
 
     /// Kills the server (SIGKILL) and waits until it has exited.

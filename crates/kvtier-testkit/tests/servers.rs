@@ -160,6 +160,10 @@ fn s3_bucket_and_object_roundtrip() {
     let s3 = S3Server::start().unwrap();
     assert_eq!(s3.endpoint(), format!("http://127.0.0.1:{}", s3.port()));
     s3.create_bucket("kvtier-test").unwrap();
+    assert!(
+        s3.create_bucket("b1").is_err(),
+        "bucket names have 3 to 63 characters"
+    );
 
     let body: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
     let put = s3
