@@ -315,3 +315,152 @@ fn bad_g4_urls_are_config_errors_that_hide_the_password() {
         assert!(!e.contains("topsecret"), "{e}");
     }
 }
+
+/// A redis-server speaking only TLS, with a certificate signed by a CA of
+/// the test's own (made with the `openssl` command); killed on drop.
+struct TlsRedis {
+    child: std::process::Child,
+    port: u16,
+    ca: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for TlsRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = std::process::Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl not found: ./scripts/test installs it");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn start_tls_redis() -> TlsRedis {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    openssl(
+        d,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=kvtier test CA",
+        ],
+    );
+    openssl(
+        d,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "srv.key",
+            "-out",
+            "srv.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        ],
+    );
+    std::fs::write(
+        d.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    openssl(
+        d,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "srv.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "srv.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ],
+    );
+    let port = kvtier_testkit::free_port().unwrap();
+    let server = kvtier_testkit::require("redis-server").unwrap();
+    let child = std::process::Command::new(server)
+        .args([
+            "--port",
+            "0",
+            "--tls-port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+        ])
+        .args(["--tls-cert-file", "srv.crt", "--tls-key-file", "srv.key"])
+        .args(["--tls-ca-cert-file", "ca.crt", "--tls-auth-clients", "no"])
+        .args(["--save", "", "--appendonly", "no"])
+        .current_dir(d)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "TLS redis-server never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    TlsRedis {
+        child,
+        port,
+        ca: d.join("ca.crt"),
+        _dir: dir,
+    }
+}
+
+#[test]
+fn rediss_verifies_the_server_against_the_configured_ca() {
+    let tls = start_tls_redis();
+    let url = format!("rediss://127.0.0.1:{}", tls.port);
+    let mut trusted = RemoteConfig::new(&url);
+    trusted.tls_ca_file = Some(tls.ca.clone());
+    let a = remote_store(None, trusted.clone());
+    put(&a, &keys(0..3));
+    a.flush().unwrap();
+    assert_eq!(a.metrics().remote.dropped_puts.get(), 0);
+    let b = remote_store(None, trusted);
+    assert_eq!(b.lookup_prefix(&keys(0..3)).hits_in(Tier::G4), 3);
+    assert_all_hits(&keys(0..3), &b.get_many(&keys(0..3)));
+
+    // Without the CA the certificate is not trusted: no connection, misses.
+    let c = remote_store(None, fast_breaker(&url));
+    assert_eq!(c.lookup_prefix(&keys(0..3)).hits(), 0);
+    assert!(c.metrics().remote.errors.get() > 0);
+
+    // A CA file that is not there is a configuration error.
+    let mut missing = RemoteConfig::new(&url);
+    missing.tls_ca_file = Some(tls.ca.with_file_name("nope.crt"));
+    let mut cfg = store_config(None, 4, 0);
+    cfg.remote = Some(missing);
+    let e = TieredStore::open(cfg).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("nope.crt"), "{e}");
+}

@@ -32,6 +32,11 @@ pub struct RemoteFlags {
     /// the pool's maxmemory policy decides].
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
     pub remote_ttl_secs: Option<u64>,
+
+    /// PEM file of the certificate authority that signed a `rediss://`
+    /// pool's certificate (a private CA) [default: the public web roots].
+    #[arg(long, value_name = "FILE")]
+    pub remote_tls_ca: Option<std::path::PathBuf>,
 }
 
 impl RemoteFlags {
@@ -42,6 +47,7 @@ impl RemoteFlags {
         c.namespace = self.remote_namespace.clone();
         c.timeout = Duration::from_millis(self.remote_timeout_ms);
         c.ttl = self.remote_ttl_secs.map(Duration::from_secs);
+        c.tls_ca_file = self.remote_tls_ca.clone();
         Some(c)
     }
 }

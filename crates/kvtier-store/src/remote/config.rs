@@ -84,6 +84,9 @@ pub struct RemoteConfig {
     pub breaker: BreakerConfig,
     /// S3 settings (ignored for Redis).
     pub s3: S3Options,
+    /// PEM file of the certificate authority that signed a `rediss://`
+    /// server's certificate (a private CA); default: the public web roots.
+    pub tls_ca_file: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for RemoteConfig {
@@ -99,6 +102,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("ttl", &self.ttl)
             .field("breaker", &self.breaker)
             .field("s3", &self.s3)
+            .field("tls_ca_file", &self.tls_ca_file)
             .finish()
     }
 }
@@ -119,6 +123,7 @@ impl RemoteConfig {
             ttl: None,
             breaker: BreakerConfig::default(),
             s3: S3Options::default(),
+            tls_ca_file: None,
         }
     }
 

@@ -71,19 +71,11 @@ impl Backend {
         match target {
             #[cfg(feature = "redis")]
             Target::Redis(url) => Ok(Backend::Redis(Box::new(redis_backend::RedisBackend::node(
-                url,
-                config.connect_timeout,
-                config.timeout,
-                config.ttl,
+                url, config,
             )?))),
             #[cfg(feature = "redis")]
             Target::RedisCluster(nodes) => Ok(Backend::Redis(Box::new(
-                redis_backend::RedisBackend::cluster(
-                    nodes,
-                    config.connect_timeout,
-                    config.timeout,
-                    config.ttl,
-                )?,
+                redis_backend::RedisBackend::cluster(nodes, config)?,
             ))),
             #[cfg(feature = "s3")]
             Target::S3 {

@@ -16,11 +16,11 @@ use futures_util::stream;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, FromRedisValue, RedisError};
+use redis::{Cmd, FromRedisValue, RedisError, TlsCertificates};
 use tokio::sync::Mutex;
 
 use super::RemoteError;
-use super::config::redact_url;
+use super::config::{RemoteConfig, redact_url};
 
 #[derive(Clone)]
 enum Conn {
@@ -55,6 +55,19 @@ pub struct RedisBackend {
     ttl: Option<Duration>,
 }
 
+/// The private CA to trust for `rediss://`, when configured.
+fn tls_certs(config: &RemoteConfig) -> Result<Option<TlsCertificates>, RemoteError> {
+    let Some(path) = &config.tls_ca_file else {
+        return Ok(None);
+    };
+    let pem = std::fs::read(path)
+        .map_err(|e| RemoteError::Config(format!("G4 TLS CA file {}: {e}", path.display())))?;
+    Ok(Some(TlsCertificates {
+        client_tls: None,
+        root_cert: Some(pem),
+    }))
+}
+
 fn redis_err(shown: &str, e: &RedisError) -> RemoteError {
     // The redis crate's errors name the server, never its password.
     RemoteError::Backend(format!("{shown}: {e}"))
@@ -63,14 +76,13 @@ fn redis_err(shown: &str, e: &RedisError) -> RemoteError {
 impl RedisBackend {
     /// A backend for one node (`url` as the `redis` crate parses it).
     /// Connects lazily.
-    pub fn node(
-        url: &str,
-        connect_timeout: Duration,
-        response_timeout: Duration,
-        ttl: Option<Duration>,
-    ) -> Result<Self, RemoteError> {
+    pub fn node(url: &str, config: &RemoteConfig) -> Result<Self, RemoteError> {
         let shown = redact_url(url);
-        let client = redis::Client::open(url).map_err(|e| {
+        let opened = match tls_certs(config)? {
+            Some(certs) => redis::Client::build_with_tls(url, certs),
+            None => redis::Client::open(url),
+        };
+        let client = opened.map_err(|e| {
             RemoteError::Config(format!(
                 "G4 URL {shown}: {}",
                 e.to_string().replace(url, &shown)
@@ -80,37 +92,36 @@ impl RedisBackend {
             client: Client::Node(client),
             shown,
             conn: Mutex::new(None),
-            connect_timeout,
-            response_timeout,
-            ttl,
+            connect_timeout: config.connect_timeout,
+            response_timeout: config.timeout,
+            ttl: config.ttl,
         })
     }
 
     /// A backend for a cluster, from seed node URLs. Connects lazily.
-    pub fn cluster(
-        nodes: &[String],
-        connect_timeout: Duration,
-        response_timeout: Duration,
-        ttl: Option<Duration>,
-    ) -> Result<Self, RemoteError> {
+    pub fn cluster(nodes: &[String], config: &RemoteConfig) -> Result<Self, RemoteError> {
         let shown = nodes
             .iter()
             .map(|u| redact_url(u))
             .collect::<Vec<_>>()
             .join(",");
-        let client = ClusterClient::builder(nodes.iter().map(String::as_str))
-            .connection_timeout(connect_timeout)
-            .response_timeout(response_timeout)
-            .retries(1)
+        let mut builder = ClusterClient::builder(nodes.iter().map(String::as_str))
+            .connection_timeout(config.connect_timeout)
+            .response_timeout(config.timeout)
+            .retries(1);
+        if let Some(certs) = tls_certs(config)? {
+            builder = builder.certs(certs);
+        }
+        let client = builder
             .build()
             .map_err(|e| RemoteError::Config(format!("G4 cluster {shown}: {e}")))?;
         Ok(Self {
             client: Client::Cluster(client),
             shown,
             conn: Mutex::new(None),
-            connect_timeout,
-            response_timeout,
-            ttl,
+            connect_timeout: config.connect_timeout,
+            response_timeout: config.timeout,
+            ttl: config.ttl,
         })
     }
 
