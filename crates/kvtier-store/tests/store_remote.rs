@@ -37,8 +37,8 @@ fn fast_breaker(url: &str) -> RemoteConfig {
 
 /// Store A writes `ks` through to G4; store B, with empty G2/G3 of its own,
 /// finds them in G4, reads them verified, promotes them, and writes them to
-/// its own G3 when they leave G2.
-fn shares_blocks_between_two_stores(remote: RemoteConfig) {
+/// its own G3 when they leave G2. Returns B.
+fn shares_blocks_between_two_stores(remote: RemoteConfig) -> TieredStore {
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let ks = keys(0..48);
     let a = remote_store(Some(da.path()), remote.clone());
@@ -67,12 +67,13 @@ fn shares_blocks_between_two_stores(remote: RemoteConfig) {
     let tiers = assert_all_hits(&ks, &b.get_many(&ks));
     assert!(tiers.iter().all(|&t| t == Tier::G3), "{tiers:?}");
     assert_eq!(b.metrics().g4.hits.get(), 48, "no second G4 read");
+    b
 }
 
 #[test]
 fn redis_two_stores_share_blocks_through_g4() {
     let redis = RedisServer::start().unwrap();
-    shares_blocks_between_two_stores(RemoteConfig::new(redis.url()));
+    let _ = shares_blocks_between_two_stores(RemoteConfig::new(redis.url()));
     // Blocks live under the namespace.
     let keys = redis.command(&[b"KEYS", b"kvtier:*"]).unwrap();
     assert_eq!(keys.as_array().map(<[_]>::len), Some(48), "{keys:?}");
@@ -81,7 +82,7 @@ fn redis_two_stores_share_blocks_through_g4() {
 #[test]
 fn redis_cluster_spreads_blocks_over_its_nodes_and_serves_them() {
     let cluster = RedisCluster::start(3).unwrap();
-    shares_blocks_between_two_stores(RemoteConfig::new(cluster.url()));
+    let _ = shares_blocks_between_two_stores(RemoteConfig::new(cluster.url()));
     let mut total = 0;
     for node in 0..3 {
         let n = cluster
@@ -97,19 +98,27 @@ fn redis_cluster_spreads_blocks_over_its_nodes_and_serves_them() {
 
 #[test]
 fn s3_two_stores_share_blocks_through_g4() {
-    let s3 = S3Server::start().unwrap();
+    let mut s3 = S3Server::start().unwrap();
     s3.create_bucket("kvpool").unwrap();
     let mut r = RemoteConfig::new(format!("s3://kvpool/pool?endpoint={}", s3.endpoint()));
     r.s3.access_key_id = Some("test".into());
     r.s3.secret_access_key = Some("test".into());
     r.s3.region = Some("us-east-1".into());
-    shares_blocks_between_two_stores(r);
+    r.timeout = Duration::from_millis(800);
+    let b = shares_blocks_between_two_stores(r);
     let listing = s3
         .request("GET", "/kvpool?list-type=2&prefix=pool/kvtier/", &[], b"")
         .unwrap();
     assert_eq!(listing.status, 200);
     let body = String::from_utf8_lossy(&listing.body);
     assert_eq!(body.matches("<Key>pool/kvtier/").count(), 48, "{body}");
+
+    // The endpoint goes away: misses, counted as errors, never a hang.
+    s3.kill();
+    let fresh = keys(500..504);
+    assert_eq!(b.lookup_prefix(&fresh).hits(), 0);
+    assert!(b.get_many(&fresh).iter().all(Option::is_none));
+    assert!(b.metrics().remote.errors.get() + b.metrics().remote.timeouts.get() > 0);
 }
 
 #[test]
@@ -463,4 +472,43 @@ fn rediss_verifies_the_server_against_the_configured_ca() {
     cfg.remote = Some(missing);
     let e = TieredStore::open(cfg).map(|_| ()).unwrap_err().to_string();
     assert!(e.contains("nope.crt"), "{e}");
+}
+
+#[test]
+fn a_slow_pool_times_out_into_misses_and_is_used_again_when_it_answers() {
+    let redis = RedisServer::start().unwrap();
+    let ks = keys(0..8);
+    let a = remote_store(None, fast_breaker(&redis.url()));
+    put(&a, &ks);
+    a.flush().unwrap();
+    let mut slow = fast_breaker(&redis.url());
+    slow.timeout = Duration::from_millis(300);
+    let b = remote_store(None, slow);
+    assert_eq!(b.lookup_prefix(&ks).hits_in(Tier::G4), 8, "connected");
+
+    // Redis holds every client's commands for 4 s: a pool that hangs.
+    let paused = redis
+        .command(&[b"CLIENT", b"PAUSE", b"4000", b"ALL"])
+        .unwrap();
+    assert_eq!(paused.as_str(), Some("OK"), "{paused:?}");
+    let started = Instant::now();
+    assert_eq!(b.lookup_prefix(&ks).hits(), 0);
+    assert!(b.get_many(&ks).iter().all(Option::is_none));
+    let during_pause = started.elapsed() < Duration::from_secs(4);
+    assert!(b.metrics().remote.timeouts.get() >= 2);
+    assert_ne!(b.remote().unwrap().breaker_state(), BreakerState::Closed);
+    assert!(
+        during_pause,
+        "both calls returned while the pool still hung"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while b.lookup_prefix(&ks).hits_in(Tier::G4) != 8 {
+        assert!(
+            Instant::now() < deadline,
+            "hits never resumed after the pause"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_all_hits(&ks, &b.get_many(&ks));
 }

@@ -68,7 +68,10 @@ fn tls_certs(config: &RemoteConfig) -> Result<Option<TlsCertificates>, RemoteErr
     }))
 }
 
-fn redis_err(shown: &str, e: &RedisError) -> RemoteError {
+fn redis_err(shown: &str, e: &RedisError, limit: Duration) -> RemoteError {
+    if e.is_timeout() {
+        return RemoteError::Timeout(limit);
+    }
     // The redis crate's errors name the server, never its password.
     RemoteError::Backend(format!("{shown}: {e}"))
 }
@@ -148,7 +151,7 @@ impl RedisBackend {
             }
             Client::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
         };
-        let conn = made.map_err(|e| redis_err(&self.shown, &e))?;
+        let conn = made.map_err(|e| redis_err(&self.shown, &e, self.connect_timeout))?;
         *guard = Some(conn.clone());
         Ok(conn)
     }
@@ -179,7 +182,7 @@ impl RedisBackend {
                 Ok(v) => out.push(v),
                 Err(e) => {
                     self.reset().await;
-                    return Err(redis_err(&self.shown, &e));
+                    return Err(redis_err(&self.shown, &e, self.response_timeout));
                 }
             }
         }
