@@ -27,7 +27,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use kvtier_io::recycle::RecyclingAllocator;
-use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, IoEngine};
+use kvtier_io::{AlignedBuf, HostAllocator, IoEngine};
 use parking_lot::{Condvar, Mutex};
 
 use crate::admission::SecondSighting;
@@ -288,7 +288,7 @@ impl TieredStore {
             .admit_on_second_sighting
             .then(|| Mutex::new(SecondSighting::new(config.admission_window)));
         let remote = match &config.remote {
-            Some(rc) => Some(open_remote(rc, config.layout, &metrics)?),
+            Some(rc) => Some(open_remote(rc, config.layout, alloc.clone(), &metrics)?),
             None => None,
         };
         Ok(Self {
@@ -447,8 +447,8 @@ impl TieredStore {
             if !from_g4.is_empty() {
                 let g4_keys: Vec<BlockKey> = from_g4.iter().map(|&i| keys[i]).collect();
                 let g4 = &inner.metrics.g4;
-                for (&i, bytes) in from_g4.iter().zip(remote.tier.get_many(&g4_keys)) {
-                    let Some(buf) = bytes.and_then(|b| self.accept_remote(&keys[i], &b)) else {
+                for (&i, got) in from_g4.iter().zip(remote.tier.get_many(&g4_keys)) {
+                    let Some(buf) = got.and_then(|b| self.accept_remote(&keys[i], b)) else {
                         g4.misses.inc();
                         continue;
                     };
@@ -470,21 +470,23 @@ impl TieredStore {
     }
 
     /// Verifies a block read from G4 (checksums, key, model, layout) and
-    /// copies it into an aligned buffer shaped like a local block. A block
-    /// that fails is counted, deleted from the pool and is a miss.
-    fn accept_remote(&self, key: &BlockKey, bytes: &[u8]) -> Option<AlignedBuf> {
+    /// extends it to a whole local block (zero padding). A block that fails
+    /// is counted, deleted from the pool and is a miss.
+    fn accept_remote(&self, key: &BlockKey, mut buf: AlignedBuf) -> Option<AlignedBuf> {
         let inner = &self.inner;
         let slot = inner.layout.encoded_bytes() as usize;
-        let verdict = match decode_block(bytes, Some(key)) {
+        let len = buf.len();
+        let verdict = match decode_block(&buf, Some(key)) {
             Ok((h, _)) if h.layout != inner.layout => {
                 Err(format!("layout {} instead of {}", h.layout, inner.layout))
             }
             Ok((h, _)) if h.fingerprint != inner.fingerprint => {
                 Err("another model's fingerprint".to_string())
             }
-            Ok(_) if bytes.len() > slot => {
-                Err(format!("{} bytes, more than a block's {slot}", bytes.len()))
-            }
+            Ok(_) if buf.capacity() < slot => Err(format!(
+                "{len} bytes in a buffer of {}, less than a block's {slot}",
+                buf.capacity()
+            )),
             Ok(_) => Ok(()),
             Err(e) => Err(e.to_string()),
         };
@@ -496,15 +498,8 @@ impl TieredStore {
             }
             return None;
         }
-        let mut buf = match AlignedBuf::zeroed_in(&inner.alloc, slot, DIRECT_IO_ALIGN) {
-            Ok(b) if b.len() == slot => b,
-            _ => {
-                tracing::warn!("no memory for G4 block {key}; treating it as a miss");
-                return None;
-            }
-        };
-        buf[..bytes.len()].copy_from_slice(bytes);
-        buf[bytes.len()..].fill(0);
+        buf.set_len(slot);
+        buf[len..].fill(0);
         Some(buf)
     }
 
@@ -766,11 +761,13 @@ impl Drop for Inner {
 fn open_remote(
     config: &RemoteConfig,
     layout: KvLayout,
+    alloc: Arc<dyn HostAllocator>,
     metrics: &Arc<StoreMetrics>,
 ) -> Result<Remote, StoreError> {
     let tier = Arc::new(RemoteTier::open(
         config,
         layout.encoded_bytes(),
+        alloc,
         metrics.g4.clone(),
         metrics.remote.clone(),
     )?);

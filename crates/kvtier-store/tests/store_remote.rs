@@ -125,13 +125,14 @@ fn s3_two_stores_share_blocks_through_g4() {
 fn a_corrupt_or_foreign_value_in_redis_is_a_miss_and_is_deleted() {
     let redis = RedisServer::start().unwrap();
     let remote = RemoteConfig::new(redis.url());
-    let ks = keys(0..4);
+    let ks = keys(0..5);
     let a = remote_store(None, remote.clone());
     put(&a, &ks);
     a.flush().unwrap();
     let name = |k: &kvtier_store::BlockKey| format!("kvtier:{}", k.to_hex()).into_bytes();
 
-    // 0: one payload byte flipped; 1: cut short; 2: garbage; 3: intact.
+    // 0: one payload byte flipped; 1: cut short; 2: garbage; 3: longer than
+    // a block; 4: intact.
     let mut v = redis
         .command(&[b"GET", &name(&ks[0])])
         .unwrap()
@@ -152,14 +153,16 @@ fn a_corrupt_or_foreign_value_in_redis_is_a_miss_and_is_deleted() {
     redis
         .command(&[b"SET", &name(&ks[2]), b"not a block"])
         .unwrap();
+    let oversized = vec![7u8; SLOT as usize + 10];
+    redis.command(&[b"SET", &name(&ks[3]), &oversized]).unwrap();
 
     let b = remote_store(None, remote);
     let got = b.get_many(&ks);
-    assert!(got[0].is_none() && got[1].is_none() && got[2].is_none());
-    assert_all_hits(&ks[3..], &got[3..]);
-    assert_eq!(b.metrics().g4.corrupt_blocks.get(), 3);
-    assert_eq!(b.metrics().g4.misses.get(), 3);
-    for k in &ks[..3] {
+    assert!(got[..4].iter().all(Option::is_none));
+    assert_all_hits(&ks[4..], &got[4..]);
+    assert_eq!(b.metrics().g4.corrupt_blocks.get(), 4);
+    assert_eq!(b.metrics().g4.misses.get(), 4);
+    for k in &ks[..4] {
         let exists = redis.command(&[b"EXISTS", &name(k)]).unwrap();
         assert_eq!(
             exists.as_integer(),
@@ -176,7 +179,7 @@ fn a_corrupt_or_foreign_value_in_redis_is_a_miss_and_is_deleted() {
     put(&o, &ks[..1]);
     o.flush().unwrap();
     assert!(b.get_many(&ks[..1])[0].is_none());
-    assert_eq!(b.metrics().g4.corrupt_blocks.get(), 4);
+    assert_eq!(b.metrics().g4.corrupt_blocks.get(), 5);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! `kvtier store bench`: write a KV block set into the disk tier, read it
 //! back cold at several in-flight depths, and compare with the device's own
-//! limit measured between the cases (A B A B), in the same run.
+//! limit measured between the cases (A B A B), in the same run. `--tier g4`
+//! is in [`crate::bench_g4`].
 
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use kvtier_store::{DiskConfig, DiskTier, StoreMetrics};
 
 use crate::bench_blocks::{BlockReader, write_set};
 use crate::bench_dirs::RunDirs;
-use crate::cli::BenchArgs;
+use crate::cli::{BenchArgs, BenchTier};
 use crate::device_limit::{DeviceLimit, limit_file_bytes};
 use crate::host::CacheDrops;
 use crate::report::{BenchReport, CaseReport, median, paired_fraction, render_table};
@@ -55,17 +56,28 @@ pub fn progress_bar(total: u64, hidden: bool) -> ProgressBar {
     pb
 }
 
-/// Runs the bench and prints its report (a table, or one JSON object).
+/// Runs the bench of `--tier` and prints its report (a table, or one JSON
+/// object).
 pub fn run(args: &BenchArgs) -> Result<()> {
+    args.check_tier().map_err(anyhow::Error::msg)?;
+    match args.tier {
+        BenchTier::G3 => run_g3(args),
+        BenchTier::G4 => crate::bench_g4::run(args),
+    }
+}
+
+/// The G3 bench (see the module docs).
+fn run_g3(args: &BenchArgs) -> Result<()> {
     let block_bytes = args.block_bytes;
+    let total_bytes = args.total_bytes();
     let layout = layout_for_block_bytes(block_bytes).map_err(anyhow::Error::msg)?;
     let roots = args.stripe_dirs();
     let ndirs = roots.len() as u64;
-    let per_dir = args.total_bytes / block_bytes / ndirs;
+    let per_dir = total_bytes / block_bytes / ndirs;
     if per_dir == 0 {
         bail!(
             "--total-bytes {} holds no {} block in each of {ndirs} director{}",
-            format_size(args.total_bytes),
+            format_size(total_bytes),
             format_size(block_bytes),
             if ndirs == 1 { "y" } else { "ies" }
         );

@@ -2,11 +2,12 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::cli_model::{CheckpointBenchArgs, ModelBenchArgs, ModelLoadArgs, ModelSynthArgs};
 use crate::cmd_model_init::ModelInitArgs;
 use crate::cmd_serve::ServeArgs;
+use crate::remote_flags::RemoteFlags;
 use crate::size::parse_size;
 use crate::slot_layout::check_block_bytes;
 
@@ -123,7 +124,7 @@ pub struct InfoArgs {
 pub enum StoreCommand {
     /// Write a KV block set to disk, read it back cold with several depths
     /// of reads in flight, and compare with the device's own limit measured
-    /// in the same run.
+    /// in the same run (`--tier g4`: G4 restore vs redis-benchmark GET).
     ///
     /// Steps: write `--total-bytes` of blocks of `--block-bytes` into a disk
     /// tier (G3) under `--dir`; write a device-limit file (min(total, 1 GiB))
@@ -134,18 +135,55 @@ pub enum StoreCommand {
     /// of each case and its fraction of the median device limit. Files live
     /// in a `kvtier-bench-<pid>` subdirectory, removed at the end unless
     /// `--keep`.
+    ///
+    /// With `--tier g4 --remote redis://HOST:PORT`: G4 restore over the
+    /// network beside `redis-benchmark` GET throughput for the same values,
+    /// in the same run. Puts `--total-bytes` (default 1 GiB for g4) of
+    /// blocks of `--block-bytes` of KV payload through a `TieredStore` whose
+    /// only tier is G4 (no G2, no G3), waits for the write-through, then,
+    /// `--repeat` times, alternating which side goes first: reads every
+    /// block back through the store's restore path (`get_many`, the largest
+    /// `--in-flight` depth of GETs in flight, every block verified), and runs
+    /// `redis-benchmark -c <that depth> -P 1 -r <blocks> -n <max(blocks,
+    /// 256)> --csv GET <the same keys>`, so both read the same values with
+    /// the same number of requests outstanding; redis-benchmark writes
+    /// nothing. Prints the median GB/s (10^9 bytes of values per second) of
+    /// each, requests/s, and g4 / redis-benchmark against the goal (>= 0.80).
+    /// redis-benchmark is `$KVTIER_REDIS_BENCHMARK`, else `redis-benchmark`
+    /// or `valkey-benchmark` on PATH (a password in the URL goes to it as
+    /// `-a`); cluster and S3 URLs measure the G4 side only. The blocks live
+    /// under the namespace `<--remote-namespace>-bench-<pid>-<hex>`, with a
+    /// time limit of at least 30 s per batch, expire after
+    /// `--remote-ttl-secs` (default 3600 here) and are deleted at the end
+    /// unless `--keep`.
     Bench(BenchArgs),
+}
+
+/// Which tier `kvtier store bench` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum BenchTier {
+    /// G3: the local disk tier under `--dir` / `--dirs`, against the
+    /// device's raw read limit.
+    #[default]
+    G3,
+    /// G4: the shared pool at `--remote`, against redis-benchmark GET.
+    G4,
 }
 
 /// Flags of `kvtier store bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Directory to put the block set in.
+    /// Tier to measure: g3 (local disk, the default) or g4 (the shared pool
+    /// at --remote, beside redis-benchmark).
+    #[arg(long, value_enum, value_name = "TIER", default_value_t = BenchTier::G3)]
+    pub tier: BenchTier,
+
+    /// Directory to put the block set in (g3 only).
     #[arg(long, value_name = "DIR", default_value = "./kvtier-cache/bench")]
     pub dir: PathBuf,
 
     /// Stripe the block set over these directories instead of `--dir`
-    /// (comma-separated; ideally one per device).
+    /// (comma-separated; ideally one per device; g3 only).
     #[arg(
         long,
         value_name = "DIR,...",
@@ -154,16 +192,22 @@ pub struct BenchArgs {
     )]
     pub dirs: Vec<PathBuf>,
 
-    /// Bytes of blocks to write and read back (e.g. 4GiB, 512MiB).
-    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = size_arg)]
-    pub total_bytes: u64,
+    /// Bytes of blocks to write and read back (e.g. 4GiB, 512MiB)
+    /// [default: 4GiB for g3; 1GiB for g4, which must fit in the pool's
+    /// memory].
+    #[arg(long, value_name = "SIZE", value_parser = size_arg)]
+    pub total_bytes: Option<u64>,
 
     /// Size of one block, i.e. one disk slot: a multiple of 4 KiB from 8 KiB
-    /// to 1 GiB (typical: 256KiB, 2MiB, 16MiB).
+    /// to 1 GiB (typical: 256KiB, 2MiB, 16MiB). With --tier g4 it is the KV
+    /// payload of a block; the value in the pool is 128 bytes more (the
+    /// block header).
     #[arg(long, value_name = "SIZE", default_value = "2MiB", value_parser = block_bytes_arg)]
     pub block_bytes: u64,
 
-    /// Reads in flight for each case, comma-separated (1 to 256 each).
+    /// Reads in flight for each case, comma-separated (1 to 256 each). With
+    /// --tier g4 only the largest is used: G4 GETs in flight, and as many
+    /// redis-benchmark clients.
     #[arg(
         long,
         value_name = "N,...",
@@ -179,7 +223,8 @@ pub struct BenchArgs {
     pub repeat: u32,
 
     /// Blocks per store read call [default: max(4 x in-flight, 64), at most
-    /// 512 MiB of buffers but never fewer than in-flight].
+    /// 512 MiB of buffers but never fewer than in-flight]. With --tier g4,
+    /// one call is one G4 batch under one time limit.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub chunk_blocks: Option<u32>,
 
@@ -187,12 +232,54 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
 
-    /// Keep the bench files instead of deleting them at the end.
+    /// Keep the bench files (with --tier g4: the blocks in the pool)
+    /// instead of deleting them at the end.
     #[arg(long)]
     pub keep: bool,
+
+    /// The G4 pool (--tier g4 only; --remote with g3 is an error, while
+    /// $KVTIER_REMOTE alone is ignored by g3). See the command's help for
+    /// how the bench adjusts namespace, time limit and expiry.
+    #[command(flatten)]
+    pub remote: RemoteFlags,
 }
 
+/// Default `--total-bytes` of the G3 bench.
+pub const G3_DEFAULT_TOTAL_BYTES: u64 = 4 << 30;
+/// Default `--total-bytes` of the G4 bench (it must fit in the pool's
+/// memory).
+pub const G4_DEFAULT_TOTAL_BYTES: u64 = 1 << 30;
+
 impl BenchArgs {
+    /// `--total-bytes`, or the tier's default.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes.unwrap_or(match self.tier {
+            BenchTier::G3 => G3_DEFAULT_TOTAL_BYTES,
+            BenchTier::G4 => G4_DEFAULT_TOTAL_BYTES,
+        })
+    }
+
+    /// Checks that the tier and `--remote` go together: g4 needs it, g3
+    /// refuses one given on the command line (one only from
+    /// `$KVTIER_REMOTE`, a deployment's setting, is ignored by g3).
+    pub fn check_tier(&self) -> Result<(), String> {
+        match (self.tier, &self.remote.remote) {
+            (BenchTier::G4, None) => Err("--tier g4 needs --remote URL, the G4 pool to \
+                                          measure (e.g. --remote redis://127.0.0.1:6379)"
+                .into()),
+            (BenchTier::G3, Some(url))
+                if std::env::var("KVTIER_REMOTE").ok().as_deref() != Some(url.as_str()) =>
+            {
+                Err(
+                    "--remote is for --tier g4 (the default tier, g3, reads local disk); \
+                     add --tier g4 or drop --remote"
+                        .into(),
+                )
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The directories to stripe over: `--dirs`, or else `--dir`.
     pub fn stripe_dirs(&self) -> Vec<PathBuf> {
         if self.dirs.is_empty() {
@@ -243,11 +330,14 @@ mod tests {
         let Command::Store(StoreCommand::Bench(b)) = cli.command else {
             panic!("not bench")
         };
-        assert_eq!(b.total_bytes, 4 << 30);
+        assert_eq!(b.tier, BenchTier::G3);
+        assert_eq!(b.total_bytes, None);
+        assert_eq!(b.total_bytes(), 4 << 30);
         assert_eq!(b.block_bytes, 2 << 20);
         assert_eq!(b.in_flight, [1, 4, 16, 32]);
         assert_eq!(b.repeat, 3);
         assert_eq!(b.stripe_dirs(), [PathBuf::from("./kvtier-cache/bench")]);
+        assert_eq!(b.remote.remote_namespace, "kvtier");
 
         let cli = Cli::parse_from([
             "kvtier",
@@ -266,6 +356,38 @@ mod tests {
         assert_eq!(b.in_flight, [2, 8]);
         assert_eq!(b.block_bytes, 256 << 10);
         assert_eq!(b.stripe_dirs(), [PathBuf::from("/a"), PathBuf::from("/b")]);
+    }
+
+    #[test]
+    fn bench_tier_g4_defaults_and_remote() {
+        let parse = |args: &[&str]| {
+            let mut argv = vec!["kvtier", "store", "bench"];
+            argv.extend_from_slice(args);
+            let cli = Cli::try_parse_from(&argv).unwrap();
+            let Command::Store(StoreCommand::Bench(b)) = cli.command else {
+                panic!("not bench")
+            };
+            b
+        };
+        let b = parse(&["--tier", "g4", "--remote", "redis://h:1"]);
+        assert_eq!(b.tier, BenchTier::G4);
+        assert_eq!(b.total_bytes(), 1 << 30);
+        assert_eq!(b.remote.remote.as_deref(), Some("redis://h:1"));
+        assert!(b.check_tier().is_ok());
+        let b = parse(&["--tier", "g4", "--total-bytes", "8MiB"]);
+        assert_eq!(b.total_bytes(), 8 << 20);
+        if std::env::var_os("KVTIER_REMOTE").is_none() {
+            assert!(b.check_tier().unwrap_err().contains("--remote"));
+        }
+        let b = parse(&[
+            "--total-bytes",
+            "8MiB",
+            "--remote",
+            "redis://kvtier-test-only:1",
+        ]);
+        assert_eq!(b.total_bytes(), 8 << 20);
+        assert!(b.check_tier().unwrap_err().contains("--tier g4"));
+        assert!(Cli::try_parse_from(["kvtier", "store", "bench", "--tier", "g5"]).is_err());
     }
 
     #[test]

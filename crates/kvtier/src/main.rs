@@ -17,6 +17,7 @@
 mod bench_blocks;
 mod bench_checkpoint;
 mod bench_dirs;
+mod bench_g4;
 mod bench_model;
 mod bench_model_report;
 mod bench_store;

@@ -25,6 +25,8 @@ pub mod breaker;
 pub mod config;
 #[cfg(feature = "redis")]
 mod redis_backend;
+#[cfg(feature = "redis")]
+mod resp_get;
 #[cfg(feature = "s3")]
 mod s3_backend;
 
@@ -32,7 +34,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_io::AlignedBuf;
+use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
 
 pub use breaker::{Breaker, BreakerConfig, BreakerState};
 pub use config::{RemoteConfig, S3Options, Target, parse_target, redact_url};
@@ -126,13 +128,15 @@ impl Backend {
         &self,
         names: &[String],
         in_flight: usize,
-    ) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
-        let _ = (names, in_flight);
+        alloc: &Arc<dyn HostAllocator>,
+        slot: usize,
+    ) -> Result<Vec<Option<AlignedBuf>>, RemoteError> {
+        let _ = (names, in_flight, alloc, slot);
         match self {
             #[cfg(feature = "redis")]
-            Backend::Redis(b) => b.get(names, in_flight).await,
+            Backend::Redis(b) => b.get(names, in_flight, alloc, slot).await,
             #[cfg(feature = "s3")]
-            Backend::S3(b) => b.get(names, in_flight).await,
+            Backend::S3(b) => b.get(names, in_flight, alloc, slot).await,
             #[allow(unreachable_patterns)]
             _ => Err(RemoteError::Unavailable),
         }
@@ -167,6 +171,24 @@ impl Backend {
     }
 }
 
+/// A value read from the pool, copied into a zeroed block buffer of `slot`
+/// bytes from `alloc` with its length set to the value's. A value longer
+/// than a block comes back empty, so it fails verification.
+pub(crate) fn to_block_buf(
+    value: &[u8],
+    alloc: &Arc<dyn HostAllocator>,
+    slot: usize,
+) -> Result<AlignedBuf, RemoteError> {
+    if value.len() > slot {
+        return Ok(AlignedBuf::empty());
+    }
+    let mut buf = AlignedBuf::zeroed_in(alloc, slot, DIRECT_IO_ALIGN)
+        .map_err(|e| RemoteError::Backend(format!("no memory for a G4 block: {e}")))?;
+    buf[..value.len()].copy_from_slice(value);
+    buf.set_len(value.len());
+    Ok(buf)
+}
+
 /// A block to write through to G4: its key, its encoded bytes and how many
 /// of them to send (header and payload; the padding stays home).
 pub type RemoteBlock = (BlockKey, Arc<AlignedBuf>, usize);
@@ -180,6 +202,8 @@ pub struct RemoteTier {
     timeout: Duration,
     in_flight: usize,
     batch_blocks: usize,
+    slot: usize,
+    alloc: Arc<dyn HostAllocator>,
     metrics: TierMetrics,
     remote: RemoteMetrics,
 }
@@ -195,13 +219,15 @@ impl std::fmt::Debug for RemoteTier {
 }
 
 impl RemoteTier {
-    /// Sets up the tier for blocks of about `block_bytes` each (sizes the
-    /// batches). Does not connect: a pool that is down now is a run of
+    /// Sets up the tier for blocks of `block_bytes` each (sizes the batches
+    /// and the buffers reads land in, which come from `alloc`). Does not
+    /// connect: a pool that is down now is a run of
     /// misses until it is up, not an error. Fails only on a configuration
     /// that cannot work.
     pub fn open(
         config: &RemoteConfig,
         block_bytes: u64,
+        alloc: Arc<dyn HostAllocator>,
         metrics: TierMetrics,
         remote: RemoteMetrics,
     ) -> Result<Self, RemoteError> {
@@ -239,6 +265,8 @@ impl RemoteTier {
             timeout: config.timeout,
             in_flight: config.in_flight.max(1),
             batch_blocks,
+            slot: usize::try_from(block_bytes).unwrap_or(usize::MAX),
+            alloc,
             metrics,
             remote,
         })
@@ -330,25 +358,26 @@ impl RemoteTier {
         out
     }
 
-    /// Reads `keys` (`None`: absent, or the pool failed). The bytes are not
-    /// verified here.
-    pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<Vec<u8>>> {
-        let mut out: Vec<Option<Vec<u8>>> = Vec::with_capacity(keys.len());
+    /// Reads `keys` (`None`: absent, or the pool failed), each into a
+    /// buffer of a block's size whose length is the value's. The bytes are
+    /// not verified here.
+    pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<AlignedBuf>> {
+        let mut out: Vec<Option<AlignedBuf>> = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(self.batch_blocks) {
             let names: Vec<String> = chunk.iter().map(|k| self.name(k)).collect();
-            let n = self.in_flight;
+            let (n, slot, alloc) = (self.in_flight, self.slot, self.alloc.clone());
             let t = Instant::now();
-            match self.call(move |b| async move { b.get(&names, n).await }) {
+            match self.call(move |b| async move { b.get(&names, n, &alloc, slot).await }) {
                 Ok(values) => {
                     self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
-                    let bytes: usize = values.iter().flatten().map(Vec::len).sum();
+                    let bytes: usize = values.iter().flatten().map(AlignedBuf::len).sum();
                     self.metrics.read_bytes.inc_by(bytes as u64);
                     out.extend(values);
                 }
                 Err(_) => break,
             }
         }
-        out.resize(keys.len(), None);
+        out.resize_with(keys.len(), || None);
         out
     }
 

@@ -9,6 +9,7 @@
 //! A failed connection is dropped and made again on the next operation the
 //! circuit breaker lets through.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -19,8 +20,11 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, RedisError, TlsCertificates};
 use tokio::sync::Mutex;
 
-use super::RemoteError;
+use kvtier_io::{AlignedBuf, HostAllocator};
+
 use super::config::{RemoteConfig, redact_url};
+use super::resp_get::{FastGet, NodeAddr};
+use super::{RemoteError, to_block_buf};
 
 #[derive(Clone)]
 enum Conn {
@@ -47,12 +51,39 @@ enum Client {
 /// A Redis/Valkey G4 backend.
 pub struct RedisBackend {
     client: Client,
+    /// The hand-written read path, for a plain-TCP node.
+    fast: Option<Arc<FastGet>>,
     /// Shown in errors and logs (password redacted).
     shown: String,
     conn: Mutex<Option<Conn>>,
     connect_timeout: Duration,
     response_timeout: Duration,
     ttl: Option<Duration>,
+}
+
+/// The hand-written read path for a node reached over plain TCP (TLS and
+/// Unix sockets stay on the `redis` crate).
+fn fast_get_for(
+    client: &redis::Client,
+    shown: &str,
+    config: &RemoteConfig,
+) -> Option<Arc<FastGet>> {
+    let info = client.get_connection_info();
+    let redis::ConnectionAddr::Tcp(host, port) = info.addr() else {
+        return None;
+    };
+    let settings = info.redis_settings();
+    let addr = NodeAddr {
+        host_port: format!("{host}:{port}"),
+        user: settings.username().map(str::to_string),
+        password: settings.password().map(str::to_string),
+        db: settings.db(),
+    };
+    Some(Arc::new(FastGet::new(
+        addr,
+        shown.to_string(),
+        config.connect_timeout,
+    )))
 }
 
 /// The private CA to trust for `rediss://`, when configured.
@@ -91,8 +122,10 @@ impl RedisBackend {
                 e.to_string().replace(url, &shown)
             ))
         })?;
+        let fast = fast_get_for(&client, &shown, config);
         Ok(Self {
             client: Client::Node(client),
+            fast,
             shown,
             conn: Mutex::new(None),
             connect_timeout: config.connect_timeout,
@@ -120,6 +153,7 @@ impl RedisBackend {
             .map_err(|e| RemoteError::Config(format!("G4 cluster {shown}: {e}")))?;
         Ok(Self {
             client: Client::Cluster(client),
+            fast: None,
             shown,
             conn: Mutex::new(None),
             connect_timeout: config.connect_timeout,
@@ -207,12 +241,18 @@ impl RedisBackend {
         Ok(counts.into_iter().map(|n| n > 0).collect())
     }
 
-    /// The values of `names` (`None`: absent).
+    /// The values of `names` (`None`: absent), each in a block buffer of
+    /// at least `slot` bytes from `alloc` (see [`to_block_buf`]).
     pub async fn get(
         &self,
         names: &[String],
         in_flight: usize,
-    ) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
+        alloc: &Arc<dyn HostAllocator>,
+        slot: usize,
+    ) -> Result<Vec<Option<AlignedBuf>>, RemoteError> {
+        if let Some(fast) = &self.fast {
+            return fast.clone().get(names, alloc, slot).await;
+        }
         let cmds = names
             .iter()
             .map(|n| {
@@ -221,13 +261,17 @@ impl RedisBackend {
                 c
             })
             .collect();
-        self.run_all(cmds, in_flight).await
+        let values: Vec<Option<Vec<u8>>> = self.run_all(cmds, in_flight).await?;
+        values
+            .into_iter()
+            .map(|v| v.map(|v| to_block_buf(&v, alloc, slot)).transpose())
+            .collect()
     }
 
     /// Writes every `(name, value)`.
     pub async fn put(
         &self,
-        items: Vec<(String, std::sync::Arc<kvtier_io::AlignedBuf>, usize)>,
+        items: Vec<(String, Arc<AlignedBuf>, usize)>,
         in_flight: usize,
     ) -> Result<(), RemoteError> {
         let cmds = items

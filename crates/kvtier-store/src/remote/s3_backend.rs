@@ -12,13 +12,13 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream;
-use kvtier_io::AlignedBuf;
+use kvtier_io::{AlignedBuf, HostAllocator};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path;
 use object_store::{ClientOptions, ObjectStoreExt, PutPayload, RetryConfig};
 
-use super::RemoteError;
 use super::config::S3Options;
+use super::{RemoteError, to_block_buf};
 
 /// An S3 G4 backend.
 pub struct S3Backend {
@@ -113,16 +113,19 @@ impl S3Backend {
             .collect()
     }
 
-    /// The values of `names` (`None`: absent).
+    /// The values of `names` (`None`: absent), each in a block buffer of
+    /// at least `slot` bytes from `alloc` (see [`to_block_buf`]).
     pub async fn get(
         &self,
         names: &[String],
         in_flight: usize,
-    ) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
-        let results: Vec<Result<Option<Vec<u8>>, object_store::Error>> = stream::iter(paths(names))
+        alloc: &Arc<dyn HostAllocator>,
+        slot: usize,
+    ) -> Result<Vec<Option<AlignedBuf>>, RemoteError> {
+        let results: Vec<Result<Option<_>, object_store::Error>> = stream::iter(paths(names))
             .map(|p| async move {
                 match self.store.get(&p).await {
-                    Ok(r) => r.bytes().await.map(|b| Some(b.to_vec())),
+                    Ok(r) => r.bytes().await.map(Some),
                     Err(object_store::Error::NotFound { .. }) => Ok(None),
                     Err(e) => Err(e),
                 }
@@ -132,7 +135,11 @@ impl S3Backend {
             .await;
         results
             .into_iter()
-            .map(|r| r.map_err(|e| s3_err(&self.shown, &e)))
+            .map(|r| match r {
+                Ok(Some(b)) => to_block_buf(&b, alloc, slot).map(Some),
+                Ok(None) => Ok(None),
+                Err(e) => Err(s3_err(&self.shown, &e)),
+            })
             .collect()
     }
 

@@ -1,0 +1,1063 @@
+//! `kvtier store bench --tier g4`: G4 restore throughput through the tiered
+//! store against `redis-benchmark` GET throughput for the same values, in
+//! the same run.
+//!
+//! * The G4 side is the real restore path: a [`TieredStore`] whose only
+//!   tier is G4 (no G2, no G3). `--total-bytes` of blocks with
+//!   `--block-bytes` of KV payload are put (written through to the pool),
+//!   flushed, then read back with `get_many` in calls of `chunk` blocks, one
+//!   G4 batch per call with the largest `--in-flight` depth of GETs in
+//!   flight over the tier's multiplexed connection. Every block is verified
+//!   by the store (checksums, key, model, layout) and must come back from
+//!   G4; a miss fails the run.
+//! * The redis-benchmark side GETs the *same* keys: block keys are chosen so
+//!   that their names in the pool are `<namespace>:<20 hex digits><12
+//!   decimal digits of the block index>`, which is exactly what
+//!   redis-benchmark's `__rand_int__` expands to. So it runs
+//!   `redis-benchmark -c <depth> -P 1 -r <blocks> -n <requests> --csv GET
+//!   <namespace>:<prefix>__rand_int__`: the same values, the same number of
+//!   requests outstanding, every GET a hit, and nothing written by it.
+//! * Repeats alternate the order of the two sides (G4 first on even
+//!   repeats); medians are reported. GB/s are 10^9 bytes of values (block
+//!   header and payload, `value_bytes`) per second.
+//!
+//! The blocks live under a namespace of their own
+//! (`<--remote-namespace>-bench-<pid>-<4 hex digits>`), expire after
+//! `--remote-ttl-secs` (default [`DEFAULT_TTL`]) even if the run is killed,
+//! and are deleted at the end unless `--keep`.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use indicatif::ProgressBar;
+use kvtier_store::block::HEADER_BYTES;
+use kvtier_store::remote::{Target, parse_target, redact_url};
+use kvtier_store::{
+    BlockKey, KvDtype, KvLayout, RemoteTier, StoreConfig, StoreMetrics, Tier, TieredStore,
+};
+use serde::Serialize;
+
+use crate::bench_blocks::bench_fingerprint;
+use crate::bench_store::{chunk_blocks, progress_bar};
+use crate::cli::BenchArgs;
+use crate::device_limit::gbps;
+use crate::report::median;
+use crate::size::format_size;
+use crate::slot_layout::{BYTES_PER_TOKEN, check_block_bytes};
+
+/// The goal: G4 restore at this fraction of redis-benchmark GET throughput
+/// or more.
+pub const GOAL_RATIO: f64 = 0.80;
+/// Shortest time limit per G4 batch in the bench (large batches must not
+/// trip the breaker).
+const MIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Expiry of the bench's blocks unless `--remote-ttl-secs` says otherwise.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(3600);
+/// Fewest GETs one redis-benchmark run makes: its clock ticks in
+/// milliseconds, so a run must last well over one.
+pub const MIN_RB_REQUESTS: u64 = 256;
+/// First 10 bytes of every bench block key (the rest is the block index in
+/// binary-coded decimal).
+const KEY_PREFIX: &[u8; 10] = b"kvbench-g4";
+/// What redis-benchmark replaces with 12 decimal digits.
+const RAND_INT: &str = "__rand_int__";
+/// Most blocks: 12 decimal digits.
+const MAX_BLOCKS: u64 = 1_000_000_000_000;
+/// Threads deleting the bench's blocks at the end.
+const DELETE_THREADS: usize = 8;
+
+/// The bench layout whose payload is exactly `payload_bytes` (the shape of
+/// [`crate::slot_layout`]: one layer, 8 KV heads of 128 in bf16, 4 KiB per
+/// token).
+pub fn g4_layout(payload_bytes: u64) -> Result<KvLayout, String> {
+    check_block_bytes(payload_bytes)?;
+    let tokens = payload_bytes / BYTES_PER_TOKEN;
+    let layout = KvLayout {
+        layers: 1,
+        kv_heads: 8,
+        head_dim: 128,
+        block_tokens: u32::try_from(tokens)
+            .map_err(|_| format!("{tokens} tokens per block is too many"))?,
+        dtype: KvDtype::Bf16,
+    };
+    layout.validate().map_err(|e| e.to_string())?;
+    if layout.payload_bytes() != payload_bytes {
+        return Err(format!(
+            "internal error: layout {layout} has {} payload bytes, not {payload_bytes}",
+            layout.payload_bytes()
+        ));
+    }
+    Ok(layout)
+}
+
+/// The key of G4 bench block `i` (below [`MAX_BLOCKS`]): [`KEY_PREFIX`],
+/// then `i` as 12 binary-coded decimal digits, so its hex form ends in
+/// `format!("{i:012}")`, as redis-benchmark writes `__rand_int__`.
+pub fn g4_key(i: u64) -> BlockKey {
+    let mut k = [0u8; 16];
+    k[..10].copy_from_slice(KEY_PREFIX);
+    let mut n = i;
+    for byte in k[10..].iter_mut().rev() {
+        let lo = (n % 10) as u8;
+        n /= 10;
+        let hi = (n % 10) as u8;
+        n /= 10;
+        *byte = (hi << 4) | lo;
+    }
+    BlockKey(k)
+}
+
+/// The redis-benchmark key template naming block `i` for every `i`, given
+/// how the pool names block 0; `None` if names are not of that form.
+fn key_template(name_of_block_0: &str) -> Option<String> {
+    let stem = name_of_block_0.strip_suffix("000000000000")?;
+    Some(format!("{stem}{RAND_INT}"))
+}
+
+/// `len` pseudo-random bytes (splitmix64; the same every run).
+fn pseudo_random(len: usize) -> Vec<u8> {
+    let mut state = 0x6b76_7469_6572_6734_u64;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// Writes block `i`'s index into the first 8 bytes of every 4 KiB page of
+/// `payload`, so every block differs.
+fn stamp(payload: &mut [u8], i: u64) {
+    let tag = i.to_le_bytes();
+    for page in payload.chunks_mut(4096) {
+        let n = page.len().min(8);
+        page[..n].copy_from_slice(&tag[..n]);
+    }
+}
+
+/// How redis-benchmark reaches a `redis://` / `rediss://` node.
+#[derive(Clone, PartialEq, Eq)]
+struct RbTarget {
+    host: String,
+    port: u16,
+    user: Option<String>,
+    password: Option<String>,
+    db: Option<u32>,
+    tls: bool,
+    insecure: bool,
+}
+
+impl std::fmt::Debug for RbTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RbTarget")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("user", &self.user)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("db", &self.db)
+            .field("tls", &self.tls)
+            .field("insecure", &self.insecure)
+            .finish()
+    }
+}
+
+impl RbTarget {
+    /// redis-benchmark's connection flags.
+    fn args(&self) -> Vec<String> {
+        let mut a = vec![
+            "-h".to_string(),
+            self.host.clone(),
+            "-p".into(),
+            self.port.to_string(),
+        ];
+        if let Some(pw) = &self.password {
+            if let Some(u) = &self.user {
+                a.extend(["--user".into(), u.clone()]);
+            }
+            a.extend(["-a".into(), pw.clone()]);
+        }
+        if let Some(db) = self.db {
+            a.extend(["--dbnum".into(), db.to_string()]);
+        }
+        if self.tls {
+            a.push("--tls".into());
+            if self.insecure {
+                a.push("--insecure".into());
+            }
+        }
+        a
+    }
+}
+
+/// `%XX` escapes decoded (as the `redis` crate decodes user and password).
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%'
+            && i + 2 < b.len()
+            && let Some(v) = std::str::from_utf8(&b[i + 1..i + 3])
+                .ok()
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            out.push(v);
+            i += 3;
+            continue;
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Parses a one-node URL (`redis://[user[:password]@]host[:port][/db]`,
+/// `rediss://...[#insecure]`, `valkey://`, `valkeys://`) for
+/// redis-benchmark. Errors never show the password.
+fn rb_target(url: &str) -> Result<RbTarget, String> {
+    let bad = |why: &str| format!("G4 URL {}: {why}", redact_url(url));
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no scheme"))?;
+    let tls = match scheme {
+        "redis" | "valkey" => false,
+        "rediss" | "valkeys" => true,
+        _ => return Err(bad("not a one-node redis:// or rediss:// URL")),
+    };
+    let (rest, fragment) = match rest.split_once('#') {
+        Some((r, f)) => (r, Some(f)),
+        None => (rest, None),
+    };
+    let rest = rest.split_once('?').map_or(rest, |(r, _)| r);
+    let (auth, rest) = match rest.rsplit_once('@') {
+        Some((a, r)) => (Some(a), r),
+        None => (None, rest),
+    };
+    let (hostport, path) = match rest.split_once('/') {
+        Some((h, p)) => (h, p),
+        None => (rest, ""),
+    };
+    let (host, port) = if let Some(v6) = hostport.strip_prefix('[') {
+        let (h, after) = v6
+            .split_once(']')
+            .ok_or_else(|| bad("unclosed '[' in the host"))?;
+        (h, after.strip_prefix(':'))
+    } else {
+        match hostport.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (hostport, None),
+        }
+    };
+    if host.is_empty() {
+        return Err(bad("no host"));
+    }
+    let port = match port {
+        None | Some("") => 6379,
+        Some(p) => p.parse().map_err(|_| bad("the port is not a number"))?,
+    };
+    let db = match path.trim_matches('/') {
+        "" => None,
+        d => Some(d.parse().map_err(|_| bad("the database is not a number"))?),
+    };
+    let (user, password) = match auth.map(|a| a.split_once(':')) {
+        Some(Some((u, p))) => (
+            Some(percent_decode(u)).filter(|u| !u.is_empty()),
+            Some(percent_decode(p)),
+        ),
+        // The redis crate reads a lone field as a user name without a
+        // password, and sends no AUTH.
+        _ => (None, None),
+    };
+    Ok(RbTarget {
+        host: host.to_string(),
+        port,
+        user,
+        password,
+        db,
+        tls,
+        insecure: fragment == Some("insecure"),
+    })
+}
+
+/// The fields of one CSV line (double quotes, `""` inside them).
+fn csv_fields(line: &str) -> Vec<String> {
+    let mut fields = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                cur.push('"');
+                chars.next();
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => fields.push(std::mem::take(&mut cur)),
+            c => cur.push(c),
+        }
+    }
+    fields.push(cur);
+    fields
+}
+
+/// Requests per second of the `GET` row of redis-benchmark's `--csv`
+/// output (the `rps` column of a `"test","rps",...` header, else the second
+/// column). `None` without a GET row or with a rate that is not a positive
+/// number.
+pub fn parse_get_rps(csv: &str) -> Option<f64> {
+    let mut rps_col = 1;
+    for line in csv.split(['\n', '\r']) {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let f = csv_fields(line);
+        let first = f[0].trim();
+        if first.eq_ignore_ascii_case("test") {
+            if let Some(c) = f.iter().position(|x| x.trim().eq_ignore_ascii_case("rps")) {
+                rps_col = c;
+            }
+            continue;
+        }
+        if first
+            .split_whitespace()
+            .next()
+            .is_some_and(|w| w.eq_ignore_ascii_case("GET"))
+        {
+            return f
+                .get(rps_col)?
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|r| r.is_finite() && *r > 0.0);
+        }
+    }
+    None
+}
+
+/// The redis-benchmark binary: `$KVTIER_REDIS_BENCHMARK`, else
+/// `redis-benchmark`, else `valkey-benchmark` on `PATH`.
+fn find_redis_benchmark() -> Result<PathBuf> {
+    let executable = |p: &Path| {
+        use std::os::unix::fs::PermissionsExt;
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    let on_path = |name: &str| -> Option<PathBuf> {
+        if name.contains('/') {
+            let p = PathBuf::from(name);
+            return executable(&p).then_some(p);
+        }
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+            .map(|d| d.join(name))
+            .find(|p| executable(p))
+    };
+    if let Some(v) = std::env::var_os("KVTIER_REDIS_BENCHMARK").filter(|v| !v.is_empty()) {
+        let v = v.to_string_lossy().into_owned();
+        return on_path(&v).ok_or_else(|| {
+            anyhow!("$KVTIER_REDIS_BENCHMARK is {v:?}, which is not an executable")
+        });
+    }
+    ["redis-benchmark", "valkey-benchmark"]
+        .iter()
+        .find_map(|n| on_path(n))
+        .ok_or_else(|| {
+            anyhow!(
+                "redis-benchmark not found on PATH (--tier g4 measures it beside G4): \
+                 install it (apt-get install redis-tools, dnf install redis, brew install \
+                 redis, or valkey-benchmark from valkey) or point $KVTIER_REDIS_BENCHMARK at it"
+            )
+        })
+}
+
+/// One redis-benchmark set-up: binary, target and what to run.
+#[derive(Debug)]
+struct RedisBenchmark {
+    bin: PathBuf,
+    version: Option<String>,
+    target: RbTarget,
+    template: String,
+    requests: u64,
+    clients: u32,
+    keyspace: u64,
+    timeout: Duration,
+}
+
+impl RedisBenchmark {
+    /// Runs it once; GET requests per second.
+    fn run(&self) -> Result<f64> {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(self.target.args())
+            .args(["-c", &self.clients.to_string()])
+            .args(["-n", &self.requests.to_string()])
+            .args(["-r", &self.keyspace.to_string()])
+            .args(["-P", "1", "--csv", "GET", &self.template])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("cannot run {}", self.bin.display()))?;
+        let readers = [
+            read_all(
+                child
+                    .stdout
+                    .take()
+                    .map(|p| Box::new(p) as Box<dyn Read + Send>),
+            ),
+            read_all(
+                child
+                    .stderr
+                    .take()
+                    .map(|p| Box::new(p) as Box<dyn Read + Send>),
+            ),
+        ];
+        let deadline = Instant::now() + self.timeout;
+        let status = loop {
+            if let Some(st) = child.try_wait().context("waiting for redis-benchmark")? {
+                break Some(st);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let [out, err] = readers.map(|r| r.join().unwrap_or_default());
+        let hide = |s: &str| match &self.target.password {
+            Some(pw) if !pw.is_empty() => s.replace(pw.as_str(), "***"),
+            _ => s.to_string(),
+        };
+        let tail = |s: &str| {
+            let s = hide(s.trim());
+            let start = s.len().saturating_sub(2000);
+            let start = (start..s.len())
+                .find(|&i| s.is_char_boundary(i))
+                .unwrap_or(0);
+            s[start..].to_string()
+        };
+        let Some(status) = status else {
+            bail!(
+                "redis-benchmark ran past {:?} and was stopped; output: {} {}",
+                self.timeout,
+                tail(&out),
+                tail(&err)
+            );
+        };
+        match parse_get_rps(&out) {
+            Some(rps) if status.success() => Ok(rps),
+            _ => bail!(
+                "redis-benchmark failed ({status}) or printed no GET rate; stdout: {:?}; \
+                 stderr: {:?}",
+                tail(&out),
+                tail(&err)
+            ),
+        }
+    }
+}
+
+/// Reads `pipe` to its end on a thread of its own (lossy UTF-8).
+fn read_all(pipe: Option<Box<dyn Read + Send>>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut p) = pipe {
+            let _ = p.read_to_end(&mut bytes);
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    })
+}
+
+/// `redis-benchmark --version`'s first line, if it answers.
+fn rb_version(bin: &Path) -> Option<String> {
+    let out = Command::new(bin)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    let s = String::from_utf8_lossy(&out.stdout);
+    s.lines()
+        .next()
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty())
+}
+
+/// What `kvtier store bench --tier g4 --json` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct G4BenchReport {
+    /// Median GB/s (10^9 bytes of values per second) of redis-benchmark GET;
+    /// null when it was skipped (see `redis_benchmark_skipped`).
+    pub redis_benchmark_get_gbps: Option<f64>,
+    /// Median GB/s of restoring every block from G4 through the store.
+    pub g4_get_gbps: f64,
+    /// Bytes of one value in the pool: the block header and the payload.
+    pub value_bytes: u64,
+    /// `g4_get_gbps / redis_benchmark_get_gbps`.
+    pub ratio: Option<f64>,
+    /// The goal for `ratio`.
+    pub goal_ratio: f64,
+    /// `ratio >= goal_ratio`.
+    pub goal_met: Option<bool>,
+    /// Always `"g4"`.
+    pub tier: &'static str,
+    /// The pool (password redacted).
+    pub remote: String,
+    /// The bench's namespace in the pool.
+    pub namespace: String,
+    /// KV payload bytes per block (`--block-bytes`).
+    pub payload_bytes: u64,
+    /// Blocks in the set.
+    pub blocks: u64,
+    /// `blocks * value_bytes`: bytes read by one G4 pass.
+    pub total_bytes: u64,
+    /// G4 GETs in flight (the largest `--in-flight`), and redis-benchmark
+    /// clients.
+    pub in_flight: u32,
+    /// Blocks per store call (one G4 batch).
+    pub chunk_blocks: u64,
+    /// Repeats of each side.
+    pub repeat: u32,
+    /// Median blocks (GETs) per second restored from G4.
+    pub g4_get_per_sec: f64,
+    /// GB/s of every G4 pass, in order.
+    pub g4_samples_gbps: Vec<f64>,
+    /// GB/s of putting the set (encode and write-through until flushed).
+    pub g4_put_gbps: f64,
+    /// Median GET requests per second of redis-benchmark.
+    pub redis_benchmark_rps: Option<f64>,
+    /// GB/s of every redis-benchmark run, in order.
+    pub redis_benchmark_samples_gbps: Vec<f64>,
+    /// GETs per redis-benchmark run.
+    pub redis_benchmark_requests: Option<u64>,
+    /// redis-benchmark connections (`-c`), each with one request out (`-P 1`).
+    pub redis_benchmark_clients: Option<u32>,
+    /// redis-benchmark pipeline depth per connection.
+    pub redis_benchmark_pipeline: Option<u32>,
+    /// Keys redis-benchmark picks from at random (`-r`): the G4 blocks.
+    pub redis_benchmark_keyspace: Option<u64>,
+    /// The redis-benchmark binary.
+    pub redis_benchmark_bin: Option<String>,
+    /// Its `--version`.
+    pub redis_benchmark_version: Option<String>,
+    /// Why redis-benchmark did not run (cluster and S3 pools).
+    pub redis_benchmark_skipped: Option<String>,
+    /// G4 operations that failed during the run.
+    pub g4_errors: u64,
+    /// G4 operations that timed out during the run.
+    pub g4_timeouts: u64,
+    /// The blocks were left in the pool (`--keep`).
+    pub kept: bool,
+    /// Bench blocks still in the pool after the clean-up (null with
+    /// `--keep`).
+    pub keys_left: Option<u64>,
+}
+
+/// The human-readable report.
+pub fn render_g4_table(r: &G4BenchReport) -> String {
+    let mut s = format!(
+        "G4 restore vs redis-benchmark GET: {} (namespace {})\n\
+         {} blocks of {} payload (value {} bytes), {} per pass; {} in flight / {} \
+         redis-benchmark clients (-P 1); median of {}\n\n",
+        r.remote,
+        r.namespace,
+        r.blocks,
+        format_size(r.payload_bytes),
+        r.value_bytes,
+        format_size(r.total_bytes),
+        r.in_flight,
+        r.redis_benchmark_clients
+            .map_or_else(|| "no".to_string(), |c| c.to_string()),
+        r.repeat
+    );
+    let samples = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.2}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    s.push_str(&format!(
+        "{:<17} {:>11} {:>8} {:>12}  samples GB/s\n",
+        "side", "value B", "GB/s", "requests/s"
+    ));
+    s.push_str(&format!(
+        "{:<17} {:>11} {:>8.2} {:>12.1}  {}\n",
+        "g4 restore",
+        r.value_bytes,
+        r.g4_get_gbps,
+        r.g4_get_per_sec,
+        samples(&r.g4_samples_gbps)
+    ));
+    match (r.redis_benchmark_get_gbps, r.redis_benchmark_rps) {
+        (Some(g), Some(rps)) => s.push_str(&format!(
+            "{:<17} {:>11} {:>8.2} {:>12.1}  {}\n",
+            "redis-benchmark",
+            r.value_bytes,
+            g,
+            rps,
+            samples(&r.redis_benchmark_samples_gbps)
+        )),
+        _ => s.push_str(&format!(
+            "{:<17} skipped: {}\n",
+            "redis-benchmark",
+            r.redis_benchmark_skipped.as_deref().unwrap_or("not run")
+        )),
+    }
+    if let Some(ratio) = r.ratio {
+        s.push_str(&format!(
+            "\ng4 / redis-benchmark = {ratio:.2} (goal >= {:.2}: {})\n",
+            r.goal_ratio,
+            if r.goal_met == Some(true) {
+                "PASS"
+            } else {
+                "short"
+            }
+        ));
+    }
+    s.push_str(&format!(
+        "put (write-through) {:.2} GB/s; G4 errors {}, timeouts {}; {}\n",
+        r.g4_put_gbps,
+        r.g4_errors,
+        r.g4_timeouts,
+        match (r.kept, r.keys_left) {
+            (true, _) => format!("blocks kept under {}:*", r.namespace),
+            (false, Some(0)) => "blocks deleted".to_string(),
+            (false, n) => format!("{} blocks could not be deleted", n.unwrap_or(0)),
+        }
+    ));
+    s
+}
+
+/// Timed results of the measuring phase.
+struct Samples {
+    put_gbps: f64,
+    g4_gbps: Vec<f64>,
+    g4_per_sec: Vec<f64>,
+    rb_gbps: Vec<f64>,
+    rb_rps: Vec<f64>,
+}
+
+/// Why blocks did not come back, for errors.
+fn pool_health(m: &StoreMetrics) -> String {
+    format!(
+        "G4 errors {}, timeouts {}; run with --log kvtier_store=debug for details",
+        m.remote.errors.get(),
+        m.remote.timeouts.get()
+    )
+}
+
+/// Puts blocks `0..n`, keeping the write-through queue under half of
+/// `queue_limit` (puts never wait for it: a full queue drops), and flushes.
+/// GB/s of values put.
+fn put_set(
+    store: &TieredStore,
+    payload_bytes: usize,
+    n: u64,
+    queue_limit: u64,
+    pb: &ProgressBar,
+) -> Result<f64> {
+    let value_bytes = (HEADER_BYTES + payload_bytes) as u64;
+    let mut payload = pseudo_random(payload_bytes);
+    let metrics = store.metrics();
+    let t = Instant::now();
+    for i in 0..n {
+        let queued = u64::try_from(metrics.remote.queue_bytes.get()).unwrap_or(0);
+        if queued + value_bytes > queue_limit / 2 {
+            store.flush().context("waiting for the G4 write-through")?;
+        }
+        stamp(&mut payload, i);
+        store
+            .put_many(&[(g4_key(i), &payload)])
+            .with_context(|| format!("putting bench block {i}"))?;
+        pb.inc(value_bytes);
+    }
+    store.flush().context("waiting for the G4 write-through")?;
+    let secs = t.elapsed().as_secs_f64();
+    let dropped = metrics.remote.dropped_puts.get();
+    if dropped > 0 {
+        bail!(
+            "the G4 pool did not take {dropped} of {n} blocks ({}); a full pool \
+             (maxmemory below {} of values?) refuses writes: try a smaller --total-bytes",
+            pool_health(metrics),
+            format_size(n * value_bytes)
+        );
+    }
+    Ok(gbps(n * value_bytes, secs))
+}
+
+/// Reads blocks `0..n` back through the store in calls of `chunk`; every
+/// one must be a verified G4 hit carrying its own stamp. Seconds taken.
+fn restore_pass(store: &TieredStore, n: u64, chunk: u64, pb: &ProgressBar) -> Result<f64> {
+    let value_bytes = HEADER_BYTES as u64 + store.layout().payload_bytes();
+    let mut missing = 0u64;
+    let mut first_bad: Option<String> = None;
+    let t = Instant::now();
+    let mut start = 0;
+    while start < n {
+        let end = (start + chunk).min(n);
+        let keys: Vec<BlockKey> = (start..end).map(g4_key).collect();
+        for (i, got) in (start..end).zip(store.get_many(&keys)) {
+            let why = match &got {
+                None => Some("missing".to_string()),
+                Some(b) if b.tier != Tier::G4 => Some(format!("read from {:?}", b.tier)),
+                Some(b) if b.payload().get(..8) != Some(&i.to_le_bytes()[..]) => {
+                    Some("another block's payload".to_string())
+                }
+                Some(_) => None,
+            };
+            if let Some(why) = why {
+                missing += 1;
+                first_bad.get_or_insert_with(|| format!("block {i}: {why}"));
+            }
+        }
+        pb.inc((end - start) * value_bytes);
+        start = end;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    if let Some(first) = first_bad {
+        bail!(
+            "{missing} of {n} blocks were not restored from G4 (first: {first}): evicted by \
+             the pool's maxmemory policy, expired, or the pool failed ({})",
+            pool_health(store.metrics())
+        );
+    }
+    Ok(secs)
+}
+
+/// Deletes blocks `0..n` from the pool (several threads) and counts the
+/// ones still there afterwards.
+fn delete_set(remote: &RemoteTier, n: u64) -> u64 {
+    let keys: Vec<BlockKey> = (0..n).map(g4_key).collect();
+    let per = keys.len().div_ceil(DELETE_THREADS).max(1);
+    std::thread::scope(|s| {
+        for part in keys.chunks(per) {
+            s.spawn(move || part.iter().for_each(|k| remote.delete(k)));
+        }
+    });
+    remote
+        .contains_many(&keys)
+        .into_iter()
+        .filter(|&b| b)
+        .count() as u64
+}
+
+/// A namespace no other run shares: `<base>-bench-<pid>-<4 hex digits>`.
+fn run_namespace(base: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let mix = (u64::from(nanos) ^ u64::from(std::process::id()).rotate_left(17))
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    format!(
+        "{base}-bench-{}-{:04x}",
+        std::process::id(),
+        (mix >> 48) as u16
+    )
+}
+
+/// Runs the G4 bench (see the module docs) and prints its report.
+pub fn run(args: &BenchArgs) -> Result<()> {
+    let flags = &args.remote;
+    let Some(mut rc) = flags.config() else {
+        bail!("--tier g4 needs --remote URL, the G4 pool to measure");
+    };
+    let url = rc.url.clone();
+    let shown = redact_url(&url);
+    let target = parse_target(&url).map_err(|e| anyhow!("{e}"))?;
+    let payload_bytes = args.block_bytes;
+    let layout = g4_layout(payload_bytes).map_err(anyhow::Error::msg)?;
+    let value_bytes = HEADER_BYTES as u64 + payload_bytes;
+    let total_bytes = args.total_bytes();
+    let blocks = total_bytes / value_bytes;
+    if blocks == 0 {
+        bail!(
+            "--total-bytes {} holds no block of {} payload ({value_bytes} bytes in the pool)",
+            format_size(total_bytes),
+            format_size(payload_bytes)
+        );
+    }
+    if blocks >= MAX_BLOCKS {
+        bail!("--total-bytes {total_bytes} makes {blocks} blocks; at most {MAX_BLOCKS} - 1");
+    }
+    let in_flight = args
+        .in_flight
+        .iter()
+        .copied()
+        .max()
+        .ok_or_else(|| anyhow!("--in-flight needs at least one depth"))?;
+    let slot = layout.encoded_bytes();
+    let chunk = chunk_blocks(in_flight, slot, blocks, args.chunk_blocks);
+
+    // redis-benchmark first: a missing binary fails before anything is
+    // written to the pool.
+    let (rb, rb_skipped) = match &target {
+        Target::Redis(_) => {
+            let bin = find_redis_benchmark()?;
+            let requests = blocks.max(MIN_RB_REQUESTS);
+            let rb = RedisBenchmark {
+                version: rb_version(&bin),
+                bin,
+                target: rb_target(&url).map_err(anyhow::Error::msg)?,
+                template: String::new(),
+                requests,
+                clients: in_flight,
+                keyspace: blocks,
+                timeout: Duration::from_secs(120)
+                    + Duration::from_secs_f64((requests * value_bytes) as f64 / 1e7),
+            };
+            (Some(rb), None)
+        }
+        Target::RedisCluster(_) => (
+            None,
+            Some("a Redis Cluster URL: redis-benchmark measures one node (G4 side only)"),
+        ),
+        Target::S3 { .. } => (
+            None,
+            Some("an S3 pool: redis-benchmark measures Redis (G4 side only)"),
+        ),
+    };
+
+    let namespace = run_namespace(&flags.remote_namespace);
+    rc.namespace = namespace.clone();
+    rc.timeout = rc.timeout.max(MIN_TIMEOUT);
+    rc.in_flight = in_flight as usize;
+    rc.batch_bytes = chunk * slot;
+    rc.write_queue_bytes = rc.write_queue_bytes.max(4 * slot);
+    rc.ttl = Some(rc.ttl.unwrap_or(DEFAULT_TTL));
+    let queue_limit = rc.write_queue_bytes;
+    let mut config = StoreConfig::new(layout, bench_fingerprint());
+    config.memory_bytes = 0;
+    config.disk = None;
+    config.persist_on_close = false;
+    config.remote = Some(rc);
+    let store = TieredStore::open(config).context("opening the G4 store")?;
+    let remote = store
+        .remote()
+        .ok_or_else(|| anyhow!("the store opened without G4"))?;
+    let template = key_template(&remote.name(&g4_key(0)))
+        .filter(|t| {
+            let last = blocks - 1;
+            t.replace(RAND_INT, &format!("{last:012}")) == remote.name(&g4_key(last))
+        })
+        .ok_or_else(|| {
+            anyhow!(
+                "internal error: G4 key {} does not end in the block index",
+                remote.name(&g4_key(0))
+            )
+        })?;
+    let rb = rb.map(|rb| RedisBenchmark { template, ..rb });
+    tracing::info!(
+        "G4 bench: {blocks} blocks of {} ({layout}) at {shown}, namespace {namespace}, \
+         {in_flight} in flight, {chunk} blocks per call",
+        format_size(payload_bytes)
+    );
+
+    // Fail fast on a pool that does not answer.
+    let _ = remote.contains_many(&[g4_key(0)]);
+    let m = store.metrics();
+    if m.remote.errors.get() + m.remote.timeouts.get() > 0 {
+        bail!("cannot reach the G4 pool {shown} ({})", pool_health(m));
+    }
+
+    let repeats = u64::from(args.repeat);
+    let rb_bytes = rb.as_ref().map_or(0, |r| r.requests * value_bytes);
+    let set_bytes = blocks * value_bytes;
+    let pb = progress_bar(set_bytes + repeats * (set_bytes + rb_bytes), args.json);
+    let measured = (|| -> Result<Samples> {
+        pb.set_message("putting blocks into G4");
+        let put_gbps = put_set(&store, payload_bytes as usize, blocks, queue_limit, &pb)?;
+        let mut s = Samples {
+            put_gbps,
+            g4_gbps: Vec::new(),
+            g4_per_sec: Vec::new(),
+            rb_gbps: Vec::new(),
+            rb_rps: Vec::new(),
+        };
+        for rep in 0..args.repeat {
+            let g4_first = rep % 2 == 0;
+            for side in 0..2 {
+                if (side == 0) == g4_first {
+                    pb.set_message(format!("G4 restore ({}/{})", rep + 1, args.repeat));
+                    let secs = restore_pass(&store, blocks, chunk, &pb)?;
+                    tracing::debug!("G4 restore: {:.3} GB/s", gbps(set_bytes, secs));
+                    s.g4_gbps.push(gbps(set_bytes, secs));
+                    s.g4_per_sec.push(blocks as f64 / secs.max(1e-9));
+                } else if let Some(rb) = &rb {
+                    pb.set_message(format!("redis-benchmark ({}/{})", rep + 1, args.repeat));
+                    let rps = rb.run()?;
+                    let g = rps * value_bytes as f64 / 1e9;
+                    tracing::debug!("redis-benchmark GET: {rps:.1} rps, {g:.3} GB/s");
+                    s.rb_rps.push(rps);
+                    s.rb_gbps.push(g);
+                    pb.inc(rb_bytes);
+                }
+            }
+        }
+        Ok(s)
+    })();
+    let keys_left = if args.keep {
+        None
+    } else {
+        pb.set_message("deleting the bench blocks");
+        Some(delete_set(remote, blocks))
+    };
+    pb.finish_and_clear();
+    let s = measured?;
+    if let Some(n) = keys_left.filter(|&n| n > 0) {
+        tracing::warn!(
+            "{n} bench blocks could not be deleted from {shown}; they expire on their own \
+             (namespace {namespace})"
+        );
+    }
+
+    let g4 = median(&s.g4_gbps);
+    let rb_gbps = rb.as_ref().map(|_| median(&s.rb_gbps));
+    let ratio = rb_gbps.filter(|&r| r > 0.0).map(|r| g4 / r);
+    let report = G4BenchReport {
+        redis_benchmark_get_gbps: rb_gbps,
+        g4_get_gbps: g4,
+        value_bytes,
+        ratio,
+        goal_ratio: GOAL_RATIO,
+        goal_met: ratio.map(|r| r >= GOAL_RATIO),
+        tier: "g4",
+        remote: shown,
+        namespace,
+        payload_bytes,
+        blocks,
+        total_bytes: set_bytes,
+        in_flight,
+        chunk_blocks: chunk,
+        repeat: args.repeat,
+        g4_get_per_sec: median(&s.g4_per_sec),
+        g4_samples_gbps: s.g4_gbps,
+        g4_put_gbps: s.put_gbps,
+        redis_benchmark_rps: rb.as_ref().map(|_| median(&s.rb_rps)),
+        redis_benchmark_samples_gbps: s.rb_gbps,
+        redis_benchmark_requests: rb.as_ref().map(|r| r.requests),
+        redis_benchmark_clients: rb.as_ref().map(|r| r.clients),
+        redis_benchmark_pipeline: rb.as_ref().map(|_| 1),
+        redis_benchmark_keyspace: rb.as_ref().map(|r| r.keyspace),
+        redis_benchmark_bin: rb.as_ref().map(|r| r.bin.display().to_string()),
+        redis_benchmark_version: rb.as_ref().and_then(|r| r.version.clone()),
+        redis_benchmark_skipped: rb_skipped.map(str::to_string),
+        g4_errors: m.remote.errors.get(),
+        g4_timeouts: m.remote.timeouts.get(),
+        kept: args.keep,
+        keys_left,
+    };
+    drop(store);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render_g4_table(&report));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_end_in_the_decimal_index() {
+        let k = g4_key(1234).to_hex();
+        assert!(k.ends_with("000000001234"), "{k}");
+        assert!(g4_key(999_999_999_999).to_hex().ends_with("999999999999"));
+        assert_eq!(&g4_key(0).0[..10], KEY_PREFIX);
+        assert_ne!(g4_key(1), g4_key(10));
+        let name = format!("ns:{}", g4_key(0).to_hex());
+        let t = key_template(&name).unwrap();
+        assert!(t.starts_with("ns:") && t.ends_with(RAND_INT), "{t}");
+        assert_eq!(
+            t.replace(RAND_INT, "000000000077"),
+            format!("ns:{}", g4_key(77).to_hex())
+        );
+        assert_eq!(key_template("ns:abc"), None);
+    }
+
+    #[test]
+    fn layout_payload_is_the_block_bytes() {
+        for bytes in [8u64 << 10, 256 << 10, 2 << 20, 16 << 20, 1 << 30] {
+            assert_eq!(g4_layout(bytes).unwrap().payload_bytes(), bytes);
+        }
+        assert!(g4_layout(1000).is_err());
+    }
+
+    #[test]
+    fn payloads_differ_per_block_and_run_to_run_the_same() {
+        let a = pseudo_random(10_000);
+        assert_eq!(a, pseudo_random(10_000));
+        assert!(a.iter().filter(|&&b| b == 0).count() < 200);
+        let mut p = a.clone();
+        stamp(&mut p, 5);
+        assert_eq!(&p[4096..4104], &5u64.to_le_bytes());
+        assert_eq!(&p[8..4096], &a[8..4096]);
+    }
+
+    #[test]
+    fn urls_become_redis_benchmark_flags() {
+        let t = rb_target("redis://127.0.0.1:7000").unwrap();
+        assert_eq!(t.args(), ["-h", "127.0.0.1", "-p", "7000"]);
+        let t = rb_target("rediss://al%40ice:p%3Aw@cache.local/3#insecure").unwrap();
+        assert_eq!(
+            t.args(),
+            [
+                "-h",
+                "cache.local",
+                "-p",
+                "6379",
+                "--user",
+                "al@ice",
+                "-a",
+                "p:w",
+                "--dbnum",
+                "3",
+                "--tls",
+                "--insecure"
+            ]
+        );
+        assert!(!format!("{t:?}").contains("p:w"));
+        let t = rb_target("redis://:pw@[::1]:6380/").unwrap();
+        assert_eq!(t.args(), ["-h", "::1", "-p", "6380", "-a", "pw"]);
+        let t = rb_target("valkey://user@h").unwrap();
+        assert_eq!(t.args(), ["-h", "h", "-p", "6379"]);
+        for bad in [
+            "redis://",
+            "redis://u:secret@h:port",
+            "redis://u:secret@h:1/x",
+            "s3://b",
+        ] {
+            let e = rb_target(bad).unwrap_err();
+            assert!(!e.contains("secret"), "{e}");
+        }
+    }
+
+    #[test]
+    fn csv_rates_are_found() {
+        let redis7 = "\"test\",\"rps\",\"avg_latency_ms\",\"min_latency_ms\"\n\
+                      \"GET ns:abc__rand_int__\",\"33333.34\",\"0.065\",\"0.016\"\n";
+        assert_eq!(parse_get_rps(redis7), Some(33333.34));
+        let old = "\"PING_INLINE\",\"1.0\"\r\n\"GET\",\"1234.5\"\r\n";
+        assert_eq!(parse_get_rps(old), Some(1234.5));
+        let moved = "\"test\",\"avg\",\"rps\"\n\"GET x\",\"0.1\",\"99\"\n";
+        assert_eq!(parse_get_rps(moved), Some(99.0));
+        assert_eq!(parse_get_rps("\"GET x\",\"inf\"\n"), None);
+        assert_eq!(parse_get_rps("\"SET x\",\"5\"\n"), None);
+        assert_eq!(parse_get_rps(""), None);
+        assert_eq!(csv_fields(r#""a,b","c""d",e"#), ["a,b", "c\"d", "e"]);
+    }
+
+    #[test]
+    fn namespaces_are_fresh() {
+        let n = run_namespace("kvtier");
+        assert!(
+            n.starts_with(&format!("kvtier-bench-{}-", std::process::id())),
+            "{n}"
+        );
+    }
+}
