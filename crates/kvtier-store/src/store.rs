@@ -167,20 +167,55 @@ pub struct StoreStats {
     pub writeback_pending: usize,
 }
 
-enum Job {
-    Write(Vec<(BlockKey, Arc<AlignedBuf>)>),
+/// A block to write back to G3: its key and encoded bytes.
+type LocalBlock = (BlockKey, Arc<AlignedBuf>);
+
+/// Work for a background writer (G3 write-back, G4 write-through).
+enum Job<T> {
+    /// Blocks to write.
+    Write(Vec<T>),
+    /// Answer once every write queued before it is done.
     Flush(mpsc::Sender<()>),
 }
 
-enum RemoteJob {
-    Write(Vec<RemoteBlock>, u64),
-    Flush(mpsc::Sender<()>),
+/// A writer thread's loop: coalesces queued writes into batches of up to
+/// `max_batch` blocks for `write`, keeping each flush marker in order
+/// behind the writes queued before it. Ends when every sender is gone.
+fn run_jobs<T>(rx: &mpsc::Receiver<Job<T>>, max_batch: usize, mut write: impl FnMut(Vec<T>)) {
+    let mut next: Option<Job<T>> = None;
+    loop {
+        let job = match next.take() {
+            Some(j) => j,
+            None => match rx.recv() {
+                Ok(j) => j,
+                Err(_) => break,
+            },
+        };
+        match job {
+            Job::Flush(done) => {
+                let _ = done.send(());
+            }
+            Job::Write(mut batch) => {
+                while batch.len() < max_batch {
+                    match rx.try_recv() {
+                        Ok(Job::Write(more)) => batch.extend(more),
+                        Ok(flush) => {
+                            next = Some(flush);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                write(batch);
+            }
+        }
+    }
 }
 
 /// G4 and its write-through thread.
 struct Remote {
     tier: Arc<RemoteTier>,
-    tx: Mutex<Option<mpsc::Sender<RemoteJob>>>,
+    tx: Mutex<Option<mpsc::Sender<Job<RemoteBlock>>>>,
     writer: Mutex<Option<JoinHandle<()>>>,
     queued: Arc<AtomicU64>,
     max_queued: u64,
@@ -218,7 +253,7 @@ struct Inner {
     admission: Option<Mutex<SecondSighting>>,
     writeback_max_bytes: u64,
     persist_on_close: bool,
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    tx: Mutex<Option<mpsc::Sender<Job<LocalBlock>>>>,
     writer: Mutex<Option<JoinHandle<()>>>,
     metrics: Arc<StoreMetrics>,
     alloc: Arc<dyn HostAllocator>,
@@ -570,7 +605,7 @@ impl TieredStore {
             .tx
             .lock()
             .as_ref()
-            .is_some_and(|tx| tx.send(RemoteJob::Write(batch, bytes)).is_ok());
+            .is_some_and(|tx| tx.send(Job::Write(batch)).is_ok());
         if !sent {
             remote.queued.fetch_sub(bytes, Ordering::AcqRel);
             inner.metrics.remote.queue_bytes.dec_by(bytes as i64);
@@ -650,7 +685,7 @@ impl TieredStore {
         }
     }
 
-    fn send(&self, job: Job) -> bool {
+    fn send(&self, job: Job<LocalBlock>) -> bool {
         match self.inner.tx.lock().as_ref() {
             Some(tx) => tx.send(job).is_ok(),
             None => false,
@@ -675,7 +710,7 @@ impl TieredStore {
             .tx
             .lock()
             .as_ref()
-            .is_some_and(|q| q.send(RemoteJob::Flush(tx)).is_ok());
+            .is_some_and(|q| q.send(Job::Flush(tx)).is_ok());
         if sent {
             let _ = rx.recv();
         }
@@ -791,53 +826,26 @@ fn open_remote(
 }
 
 fn write_through_loop(
-    rx: &mpsc::Receiver<RemoteJob>,
+    rx: &mpsc::Receiver<Job<RemoteBlock>>,
     tier: &RemoteTier,
     queued: &AtomicU64,
     metrics: &StoreMetrics,
 ) {
-    let mut next: Option<RemoteJob> = None;
-    loop {
-        let job = match next.take() {
-            Some(j) => j,
-            None => match rx.recv() {
-                Ok(j) => j,
-                Err(_) => break,
-            },
-        };
-        match job {
-            RemoteJob::Flush(done) => {
-                let _ = done.send(());
-            }
-            RemoteJob::Write(mut batch, mut bytes) => {
-                while batch.len() < WRITEBACK_BATCH {
-                    match rx.try_recv() {
-                        Ok(RemoteJob::Write(more, b)) => {
-                            batch.extend(more);
-                            bytes += b;
-                        }
-                        Ok(flush) => {
-                            next = Some(flush);
-                            break;
-                        }
-                        Err(_) => break,
-                    }
-                }
-                let n = batch.len() as u64;
-                let written = tier.put_many(batch) as u64;
-                metrics.remote.dropped_puts.inc_by(n - written);
-                queued.fetch_sub(bytes, Ordering::AcqRel);
-                metrics.remote.queue_bytes.dec_by(bytes as i64);
-            }
-        }
-    }
+    run_jobs(rx, WRITEBACK_BATCH, |batch| {
+        let n = batch.len() as u64;
+        let bytes: u64 = batch.iter().map(|(_, _, len)| *len as u64).sum();
+        let written = tier.put_many(batch) as u64;
+        metrics.remote.dropped_puts.inc_by(n - written);
+        queued.fetch_sub(bytes, Ordering::AcqRel);
+        metrics.remote.queue_bytes.dec_by(bytes as i64);
+    });
 }
 
 /// Largest number of blocks the writer puts in one batch.
 const WRITEBACK_BATCH: usize = 64;
 
 fn spawn_writer(
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Job<LocalBlock>>,
     disk: Arc<DiskTier>,
     memory: Arc<MemoryTier>,
     pending: Arc<Pending>,
@@ -846,36 +854,9 @@ fn spawn_writer(
     std::thread::Builder::new()
         .name("kvtier-writeback".into())
         .spawn(move || {
-            let mut next: Option<Job> = None;
-            loop {
-                let job = match next.take() {
-                    Some(j) => j,
-                    None => match rx.recv() {
-                        Ok(j) => j,
-                        Err(_) => break,
-                    },
-                };
-                match job {
-                    Job::Flush(done) => {
-                        let _ = done.send(());
-                    }
-                    Job::Write(mut batch) => {
-                        // Coalesce queued writes into one batch, keeping
-                        // any flush marker in order behind them.
-                        while batch.len() < WRITEBACK_BATCH {
-                            match rx.try_recv() {
-                                Ok(Job::Write(more)) => batch.extend(more),
-                                Ok(flush) => {
-                                    next = Some(flush);
-                                    break;
-                                }
-                                Err(_) => break,
-                            }
-                        }
-                        write_back(&disk, &memory, &pending, &metrics, batch);
-                    }
-                }
-            }
+            run_jobs(&rx, WRITEBACK_BATCH, |batch| {
+                write_back(&disk, &memory, &pending, &metrics, batch);
+            });
         })
         .map_err(|e| StoreError::Task(format!("cannot start the write-back thread: {e}")))
 }

@@ -35,6 +35,7 @@ mod host;
 mod load_contenders;
 mod prefault;
 mod python_contenders;
+mod redis_benchmark;
 mod remote_flags;
 mod report;
 mod server;

@@ -44,10 +44,9 @@ pub fn check_block_bytes(block_bytes: u64) -> Result<(), String> {
     Ok(())
 }
 
-/// The bench layout whose encoded block (slot) is exactly `block_bytes`.
-pub fn layout_for_block_bytes(block_bytes: u64) -> Result<KvLayout, String> {
-    check_block_bytes(block_bytes)?;
-    let tokens = (block_bytes - DIRECT_IO_ALIGN as u64) / BYTES_PER_TOKEN;
+/// The bench layout of `tokens` tokens per block: one layer, 8 KV heads of
+/// 128 in bf16, [`BYTES_PER_TOKEN`] per token.
+pub fn bench_layout(tokens: u64) -> Result<KvLayout, String> {
     let layout = KvLayout {
         layers: 1,
         kv_heads: 8,
@@ -57,6 +56,13 @@ pub fn layout_for_block_bytes(block_bytes: u64) -> Result<KvLayout, String> {
         dtype: KvDtype::Bf16,
     };
     layout.validate().map_err(|e| e.to_string())?;
+    Ok(layout)
+}
+
+/// The bench layout whose encoded block (slot) is exactly `block_bytes`.
+pub fn layout_for_block_bytes(block_bytes: u64) -> Result<KvLayout, String> {
+    check_block_bytes(block_bytes)?;
+    let layout = bench_layout((block_bytes - DIRECT_IO_ALIGN as u64) / BYTES_PER_TOKEN)?;
     if layout.encoded_bytes() != block_bytes {
         return Err(format!(
             "internal error: layout {layout} encodes to {} bytes, not {block_bytes}",
