@@ -44,4 +44,12 @@ pub enum EngineError {
     /// The store failed.
     #[error("store: {0}")]
     Store(#[from] kvtier_store::StoreError),
+    /// The device asked for cannot be used.
+    #[error("device {name}: {msg}")]
+    Device {
+        /// The device as named (`cpu`, `cuda:0`).
+        name: String,
+        /// Why it cannot be used.
+        msg: String,
+    },
 }

@@ -11,6 +11,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod kv_pool;
@@ -24,6 +25,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use config::ModelConfig;
+pub use device::open_device;
 pub use engine::{CachedTokens, Engine, EngineOptions, Prefill, SeqId, StoreOptions};
 pub use error::EngineError;
 pub use preset::{Preset, write_preset};

@@ -16,7 +16,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvtier_engine::tokenizer::{ChatMessage, TextTokenizer, render_chat};
-use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions};
+use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions, open_device};
 use serde::Serialize;
 
 use crate::remote_flags::RemoteFlags;
@@ -60,6 +60,11 @@ pub struct PrefillArgs {
     /// G2 (host memory) of this node's store while it runs.
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     pub g2_bytes: u64,
+
+    /// Where the model runs: `cpu`, or `cuda` / `cuda:N` in a build with
+    /// `--features cuda`.
+    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    pub device: String,
 
     /// The shared pool (`--remote` is required).
     #[command(flatten)]
@@ -146,8 +151,9 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         block_tokens: bt,
         pool_pages: tokens.len().div_ceil(bt) + 1,
         max_seq_tokens: tokens.len() + 1,
+        prefix_reuse: true,
         tenant_salt: args.tenant_salt.clone().into_bytes(),
-        ..Default::default()
+        device: open_device(&args.device)?,
     };
     let store = StoreOptions {
         memory_bytes: args.g2_bytes,

@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvtier_engine::scheduler::{BatchConfig, Scheduler};
 use kvtier_engine::tokenizer::TextTokenizer;
-use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions};
+use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions, open_device};
 
 use crate::remote_flags::RemoteFlags;
 use crate::server::metrics::ServerMetrics;
@@ -103,6 +103,11 @@ pub struct ServeArgs {
     /// The shared G4 pool.
     #[command(flatten)]
     pub remote: RemoteFlags,
+
+    /// Where the model runs: `cpu`, or `cuda` / `cuda:N` in a build with
+    /// `--features cuda`.
+    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    pub device: String,
 
     /// Largest request body accepted (larger ones get 413).
     #[arg(long, value_name = "SIZE", default_value = "4MiB", value_parser = parse_size)]
@@ -218,7 +223,7 @@ async fn run_async(args: ServeArgs) -> Result<()> {
         max_seq_tokens: context,
         prefix_reuse: !args.no_prefix_reuse,
         tenant_salt: args.tenant_salt.clone().into_bytes(),
-        ..Default::default()
+        device: open_device(&args.device)?,
     };
     eprintln!(
         "loading {} ({} parameters, {} layers) from {}",

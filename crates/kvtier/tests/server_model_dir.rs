@@ -15,9 +15,15 @@ use server_support::{STEP, base_args, init_model, kvtier};
 
 /// Runs `kvtier serve` on `model`, asserts it fails cleanly, returns stderr.
 fn serve_fails(model: &Path) -> String {
+    serve_fails_with(model, &[])
+}
+
+/// [`serve_fails`] with `extra` flags.
+fn serve_fails_with(model: &Path, extra: &[&str]) -> String {
     let tmp = tempfile::tempdir().unwrap();
     let mut child = kvtier()
         .args(base_args(model, &tmp.path().join("cache")))
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -134,4 +140,15 @@ fn truncated_weights_name_the_file() {
     std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
     let err = serve_fails(&dir);
     assert!(err.contains("model.safetensors"), "{err}");
+}
+
+#[test]
+fn an_unknown_or_unbuilt_device_is_a_clear_error() {
+    let (_tmp, dir) = tiny();
+    let e = serve_fails_with(&dir, &["--device", "gpu"]);
+    assert!(e.contains("expected cpu, cuda or cuda:N"), "{e}");
+    if !cfg!(feature = "cuda") {
+        let e = serve_fails_with(&dir, &["--device", "cuda:0"]);
+        assert!(e.contains("--features cuda"), "{e}");
+    }
 }

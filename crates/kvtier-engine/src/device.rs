@@ -1,0 +1,59 @@
+//! Where the engine's tensors live: `cpu` (the default), or `cuda` /
+//! `cuda:N` in a build with the `cuda` cargo feature (candle's CUDA
+//! backend; building it needs the CUDA toolkit, see the README). The CPU
+//! path is the one the tests run; the CUDA path is the same code on a CUDA
+//! device.
+
+use candle_core::Device;
+
+use crate::EngineError;
+
+/// Opens the device named `cpu`, `cuda` (ordinal 0) or `cuda:N`.
+pub fn open_device(name: &str) -> Result<Device, EngineError> {
+    let bad = |msg: String| EngineError::Device {
+        name: name.to_string(),
+        msg,
+    };
+    if name == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let ordinal = match name.strip_prefix("cuda") {
+        Some("") => 0,
+        Some(rest) => rest
+            .strip_prefix(':')
+            .and_then(|n| n.parse::<usize>().ok())
+            .ok_or_else(|| bad("expected cpu, cuda or cuda:N".into()))?,
+        None => return Err(bad("expected cpu, cuda or cuda:N".into())),
+    };
+    if !cfg!(feature = "cuda") {
+        return Err(bad(
+            "this kvtier was built without the `cuda` cargo feature (cargo build --release --features cuda)"
+                .into(),
+        ));
+    }
+    Device::new_cuda(ordinal).map_err(|e| bad(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_cpu_opens() {
+        assert!(matches!(open_device("cpu"), Ok(Device::Cpu)));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda0", ""] {
+            let e = open_device(bad).map(|_| ()).expect_err(bad).to_string();
+            assert!(e.contains("expected cpu, cuda or cuda:N"), "{e}");
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn a_cpu_build_says_how_to_get_cuda() {
+        let e = open_device("cuda:0")
+            .map(|_| ())
+            .expect_err("cpu build")
+            .to_string();
+        assert!(e.contains("--features cuda"), "{e}");
+    }
+}
