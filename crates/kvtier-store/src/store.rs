@@ -37,7 +37,7 @@ use crate::key::{BlockKey, ModelFingerprint};
 use crate::layout::KvLayout;
 use crate::memory::{Evicted, MemoryTier};
 use crate::metrics::{StoreMetrics, Tier};
-use crate::remote::{RemoteBlock, RemoteConfig, RemoteError, RemoteTier};
+use crate::remote::{BlockCheck, RemoteBlock, RemoteConfig, RemoteError, RemoteTier};
 
 /// Configuration of a [`TieredStore`].
 #[derive(Debug, Clone)]
@@ -323,7 +323,13 @@ impl TieredStore {
             .admit_on_second_sighting
             .then(|| Mutex::new(SecondSighting::new(config.admission_window)));
         let remote = match &config.remote {
-            Some(rc) => Some(open_remote(rc, config.layout, alloc.clone(), &metrics)?),
+            Some(rc) => Some(open_remote(
+                rc,
+                config.layout,
+                config.fingerprint,
+                alloc.clone(),
+                &metrics,
+            )?),
             None => None,
         };
         Ok(Self {
@@ -483,9 +489,24 @@ impl TieredStore {
                 let g4_keys: Vec<BlockKey> = from_g4.iter().map(|&i| keys[i]).collect();
                 let g4 = &inner.metrics.g4;
                 for (&i, got) in from_g4.iter().zip(remote.tier.get_many(&g4_keys)) {
-                    let Some(buf) = got.and_then(|b| self.accept_remote(&keys[i], b)) else {
-                        g4.misses.inc();
-                        continue;
+                    let buf = match got {
+                        Some(Ok(buf)) => buf,
+                        Some(Err(why)) => {
+                            // Refused by the check: a miss, and gone from
+                            // the pool so no node reads it again.
+                            tracing::warn!(
+                                "G4 block {} failed verification ({why}); deleting it",
+                                keys[i]
+                            );
+                            g4.corrupt_blocks.inc();
+                            g4.misses.inc();
+                            remote.tier.delete(&keys[i]);
+                            continue;
+                        }
+                        None => {
+                            g4.misses.inc();
+                            continue;
+                        }
                     };
                     g4.hits.inc();
                     let buf = Arc::new(buf);
@@ -502,40 +523,6 @@ impl TieredStore {
         }
         self.demote(evicted);
         out
-    }
-
-    /// Verifies a block read from G4 (checksums, key, model, layout) and
-    /// extends it to a whole local block (zero padding). A block that fails
-    /// is counted, deleted from the pool and is a miss.
-    fn accept_remote(&self, key: &BlockKey, mut buf: AlignedBuf) -> Option<AlignedBuf> {
-        let inner = &self.inner;
-        let slot = inner.layout.encoded_bytes() as usize;
-        let len = buf.len();
-        let verdict = match decode_block(&buf, Some(key)) {
-            Ok((h, _)) if h.layout != inner.layout => {
-                Err(format!("layout {} instead of {}", h.layout, inner.layout))
-            }
-            Ok((h, _)) if h.fingerprint != inner.fingerprint => {
-                Err("another model's fingerprint".to_string())
-            }
-            Ok(_) if buf.capacity() < slot => Err(format!(
-                "{len} bytes in a buffer of {}, less than a block's {slot}",
-                buf.capacity()
-            )),
-            Ok(_) => Ok(()),
-            Err(e) => Err(e.to_string()),
-        };
-        if let Err(why) = verdict {
-            tracing::warn!("G4 block {key} failed verification ({why}); deleting it");
-            inner.metrics.g4.corrupt_blocks.inc();
-            if let Some(r) = &inner.remote {
-                r.tier.delete(key);
-            }
-            return None;
-        }
-        buf.set_len(slot);
-        buf[len..].fill(0);
-        Some(buf)
     }
 
     /// Stores `(key, payload)` blocks in G2; blocks G2 evicts are written
@@ -793,16 +780,53 @@ impl Drop for Inner {
     }
 }
 
+/// The check of every block read from G4 (run where it lands): both
+/// checksums and the key ([`decode_block`]), this store's layout and model,
+/// and room for a whole local block; then the block is extended to one
+/// (zero padding).
+fn check_remote_block(
+    layout: KvLayout,
+    fingerprint: ModelFingerprint,
+    key: &BlockKey,
+    mut buf: AlignedBuf,
+) -> Result<AlignedBuf, String> {
+    let slot = layout.encoded_bytes() as usize;
+    let len = buf.len();
+    match decode_block(&buf, Some(key)) {
+        Ok((h, _)) if h.layout != layout => {
+            return Err(format!("layout {} instead of {layout}", h.layout));
+        }
+        Ok((h, _)) if h.fingerprint != fingerprint => {
+            return Err("another model's fingerprint".to_string());
+        }
+        Ok(_) if buf.capacity() < slot => {
+            return Err(format!(
+                "{len} bytes in a buffer of {}, less than a block's {slot}",
+                buf.capacity()
+            ));
+        }
+        Ok(_) => {}
+        Err(e) => return Err(e.to_string()),
+    }
+    buf.set_len(slot);
+    buf[len..].fill(0);
+    Ok(buf)
+}
+
 fn open_remote(
     config: &RemoteConfig,
     layout: KvLayout,
+    fingerprint: ModelFingerprint,
     alloc: Arc<dyn HostAllocator>,
     metrics: &Arc<StoreMetrics>,
 ) -> Result<Remote, StoreError> {
+    let check: BlockCheck =
+        Arc::new(move |key, buf| check_remote_block(layout, fingerprint, key, buf));
     let tier = Arc::new(RemoteTier::open(
         config,
         layout.encoded_bytes(),
         alloc,
+        check,
         metrics.g4.clone(),
         metrics.remote.clone(),
     )?);

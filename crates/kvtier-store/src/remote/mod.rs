@@ -127,16 +127,16 @@ impl Backend {
     async fn get(
         &self,
         names: &[String],
+        keys: &[BlockKey],
         in_flight: usize,
-        alloc: &Arc<dyn HostAllocator>,
-        slot: usize,
-    ) -> Result<Vec<Option<AlignedBuf>>, RemoteError> {
-        let _ = (names, in_flight, alloc, slot);
+        landing: &Landing,
+    ) -> Result<Vec<Fetched>, RemoteError> {
+        let _ = (names, keys, in_flight, landing);
         match self {
             #[cfg(feature = "redis")]
-            Backend::Redis(b) => b.get(names, in_flight, alloc, slot).await,
+            Backend::Redis(b) => b.get(names, keys, in_flight, landing).await,
             #[cfg(feature = "s3")]
-            Backend::S3(b) => b.get(names, in_flight, alloc, slot).await,
+            Backend::S3(b) => b.get(names, keys, in_flight, landing).await,
             #[allow(unreachable_patterns)]
             _ => Err(RemoteError::Unavailable),
         }
@@ -171,6 +171,43 @@ impl Backend {
     }
 }
 
+/// Checks a value read under a key (checksums, key, model, layout) and
+/// extends it to a whole block; `Err` says why it was refused.
+pub type BlockCheck =
+    Arc<dyn Fn(&BlockKey, AlignedBuf) -> Result<AlignedBuf, String> + Send + Sync>;
+
+/// What a read gives for one key: absent, a checked block, or why the
+/// value there was refused.
+pub type Fetched = Option<Result<AlignedBuf, String>>;
+
+/// Where values read from the pool land (block buffers of `slot` bytes from
+/// `alloc`) and how they are checked. Backends check each value as it
+/// lands, so on the hand-written read path checking overlaps the replies
+/// still arriving on other connections.
+#[derive(Clone)]
+pub struct Landing {
+    alloc: Arc<dyn HostAllocator>,
+    slot: usize,
+    check: BlockCheck,
+}
+
+impl Landing {
+    /// Checks a value already in a block buffer.
+    pub(crate) fn check(&self, key: &BlockKey, buf: AlignedBuf) -> Result<AlignedBuf, String> {
+        (self.check)(key, buf)
+    }
+
+    /// Copies a value into a block buffer, then checks it.
+    pub(crate) fn land(
+        &self,
+        key: &BlockKey,
+        value: &[u8],
+    ) -> Result<Result<AlignedBuf, String>, RemoteError> {
+        let buf = to_block_buf(value, &self.alloc, self.slot)?;
+        Ok(self.check(key, buf))
+    }
+}
+
 /// A value read from the pool, copied into a zeroed block buffer of `slot`
 /// bytes from `alloc` with its length set to the value's. A value longer
 /// than a block comes back empty, so it fails verification.
@@ -202,8 +239,7 @@ pub struct RemoteTier {
     timeout: Duration,
     in_flight: usize,
     batch_blocks: usize,
-    slot: usize,
-    alloc: Arc<dyn HostAllocator>,
+    landing: Landing,
     metrics: TierMetrics,
     remote: RemoteMetrics,
 }
@@ -220,14 +256,15 @@ impl std::fmt::Debug for RemoteTier {
 
 impl RemoteTier {
     /// Sets up the tier for blocks of `block_bytes` each (sizes the batches
-    /// and the buffers reads land in, which come from `alloc`). Does not
-    /// connect: a pool that is down now is a run of
+    /// and the buffers reads land in, which come from `alloc`); every value
+    /// read is passed through `check`. Does not connect: a pool that is down now is a run of
     /// misses until it is up, not an error. Fails only on a configuration
     /// that cannot work.
     pub fn open(
         config: &RemoteConfig,
         block_bytes: u64,
         alloc: Arc<dyn HostAllocator>,
+        check: BlockCheck,
         metrics: TierMetrics,
         remote: RemoteMetrics,
     ) -> Result<Self, RemoteError> {
@@ -265,8 +302,11 @@ impl RemoteTier {
             timeout: config.timeout,
             in_flight: config.in_flight.max(1),
             batch_blocks,
-            slot: usize::try_from(block_bytes).unwrap_or(usize::MAX),
-            alloc,
+            landing: Landing {
+                alloc,
+                slot: usize::try_from(block_bytes).unwrap_or(usize::MAX),
+                check,
+            },
             metrics,
             remote,
         })
@@ -358,19 +398,18 @@ impl RemoteTier {
         out
     }
 
-    /// Reads `keys` (`None`: absent, or the pool failed), each into a
-    /// buffer of a block's size whose length is the value's. The bytes are
-    /// not verified here.
-    pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<AlignedBuf>> {
-        let mut out: Vec<Option<AlignedBuf>> = Vec::with_capacity(keys.len());
+    /// Reads `keys`, each into a block buffer and checked (`None`: absent,
+    /// or the pool failed; `Some(Err)`: the value there was refused).
+    pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Fetched> {
+        let mut out: Vec<Fetched> = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(self.batch_blocks) {
             let names: Vec<String> = chunk.iter().map(|k| self.name(k)).collect();
-            let (n, slot, alloc) = (self.in_flight, self.slot, self.alloc.clone());
+            let (n, landing, chunk) = (self.in_flight, self.landing.clone(), chunk.to_vec());
             let t = Instant::now();
-            match self.call(move |b| async move { b.get(&names, n, &alloc, slot).await }) {
+            match self.call(move |b| async move { b.get(&names, &chunk, n, &landing).await }) {
                 Ok(values) => {
                     self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
-                    let bytes: usize = values.iter().flatten().map(AlignedBuf::len).sum();
+                    let bytes: usize = values.iter().flatten().flatten().map(AlignedBuf::len).sum();
                     self.metrics.read_bytes.inc_by(bytes as u64);
                     out.extend(values);
                 }

@@ -20,11 +20,12 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, RedisError, TlsCertificates};
 use tokio::sync::Mutex;
 
-use kvtier_io::{AlignedBuf, HostAllocator};
+use kvtier_io::AlignedBuf;
 
 use super::config::{RemoteConfig, redact_url};
 use super::resp_get::{FastGet, NodeAddr};
-use super::{RemoteError, to_block_buf};
+use super::{Fetched, Landing, RemoteError};
+use crate::key::BlockKey;
 
 #[derive(Clone)]
 enum Conn {
@@ -241,17 +242,17 @@ impl RedisBackend {
         Ok(counts.into_iter().map(|n| n > 0).collect())
     }
 
-    /// The values of `names` (`None`: absent), each in a block buffer of
-    /// at least `slot` bytes from `alloc` (see [`to_block_buf`]).
+    /// The values of `names` (the names of `keys`), each landed and
+    /// checked by `landing`.
     pub async fn get(
         &self,
         names: &[String],
+        keys: &[BlockKey],
         in_flight: usize,
-        alloc: &Arc<dyn HostAllocator>,
-        slot: usize,
-    ) -> Result<Vec<Option<AlignedBuf>>, RemoteError> {
+        landing: &Landing,
+    ) -> Result<Vec<Fetched>, RemoteError> {
         if let Some(fast) = &self.fast {
-            return fast.clone().get(names, alloc, slot).await;
+            return fast.clone().get(names, keys, landing).await;
         }
         let cmds = names
             .iter()
@@ -264,7 +265,8 @@ impl RedisBackend {
         let values: Vec<Option<Vec<u8>>> = self.run_all(cmds, in_flight).await?;
         values
             .into_iter()
-            .map(|v| v.map(|v| to_block_buf(&v, alloc, slot)).transpose())
+            .zip(keys)
+            .map(|(v, k)| v.map(|v| landing.land(k, &v)).transpose())
             .collect()
     }
 

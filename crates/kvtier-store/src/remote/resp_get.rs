@@ -24,7 +24,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
-use super::RemoteError;
+use super::{Fetched, Landing, RemoteError};
+use crate::key::BlockKey;
 
 /// Connections the reads are spread over.
 const CONNECTIONS: usize = 4;
@@ -58,11 +59,6 @@ pub struct FastGet {
     connect_timeout: Duration,
     pool: Mutex<Vec<Conn>>,
 }
-
-/// A reply: the value in a buffer of at least `slot` bytes (its length is
-/// the value's), or absent. A value longer than `slot` comes back as an
-/// empty buffer, which fails verification like any other bad block.
-pub type Fetched = Option<AlignedBuf>;
 
 fn err(shown: &str, what: impl std::fmt::Display) -> RemoteError {
     RemoteError::Backend(format!("{shown}: {what}"))
@@ -151,13 +147,16 @@ impl Conn {
         Ok(())
     }
 
-    /// Reads one `GET` reply into a buffer of `slot` bytes from `alloc`.
+    /// Reads one `GET` reply into a buffer of `slot` bytes from `alloc`
+    /// (its length the value's; `None`: no such key). A value longer than
+    /// `slot` comes back as an empty buffer, which fails the check like any
+    /// other bad block.
     async fn reply(
         &mut self,
         alloc: &Arc<dyn HostAllocator>,
         slot: usize,
         shown: &str,
-    ) -> Result<Fetched, RemoteError> {
+    ) -> Result<Option<AlignedBuf>, RemoteError> {
         let line = self.line(shown).await?;
         match line.first() {
             Some(b'$') => {}
@@ -244,12 +243,13 @@ impl FastGet {
         self.connect().await
     }
 
-    /// Pipelines `GET name` for every name on one connection.
+    /// Pipelines `GET name` for every name on one connection; checks each
+    /// value as soon as it is read.
     async fn run_on(
         &self,
         names: &[String],
-        alloc: &Arc<dyn HostAllocator>,
-        slot: usize,
+        keys: &[BlockKey],
+        landing: &Landing,
     ) -> Result<Vec<Fetched>, RemoteError> {
         let mut c = self.take().await?;
         let mut cmds = Vec::with_capacity(names.len() * 64);
@@ -261,29 +261,32 @@ impl FastGet {
             .await
             .map_err(|e| err(&self.shown, e))?;
         let mut out = Vec::with_capacity(names.len());
-        for _ in names {
-            out.push(c.reply(alloc, slot, &self.shown).await?);
+        for key in keys {
+            let value = c.reply(&landing.alloc, landing.slot, &self.shown).await?;
+            out.push(value.map(|b| landing.check(key, b)));
         }
         // Only a connection that read every reply goes back to the pool.
         self.pool.lock().await.push(c);
         Ok(out)
     }
 
-    /// The values of `names`, in order, each in a buffer of at least
-    /// `slot` bytes from `alloc`. The connections' shares run as separate
-    /// tasks, so their parsing spreads over the runtime's threads.
+    /// The values of `names` (the names of `keys`), in order, landed and
+    /// checked by `landing`. The connections' shares run as separate tasks,
+    /// so reading and checking spread over the runtime's threads.
     pub async fn get(
         self: Arc<Self>,
         names: &[String],
-        alloc: &Arc<dyn HostAllocator>,
-        slot: usize,
+        keys: &[BlockKey],
+        landing: &Landing,
     ) -> Result<Vec<Fetched>, RemoteError> {
         let per = names.len().div_ceil(CONNECTIONS).max(1);
         let tasks: Vec<_> = names
             .chunks(per)
-            .map(|part| {
-                let (me, part, alloc) = (self.clone(), part.to_vec(), alloc.clone());
-                tokio::spawn(async move { me.run_on(&part, &alloc, slot).await })
+            .zip(keys.chunks(per))
+            .map(|(part, part_keys)| {
+                let (me, part, part_keys) = (self.clone(), part.to_vec(), part_keys.to_vec());
+                let landing = landing.clone();
+                tokio::spawn(async move { me.run_on(&part, &part_keys, &landing).await })
             })
             .collect();
         let mut out = Vec::with_capacity(names.len());

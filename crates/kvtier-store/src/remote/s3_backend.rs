@@ -12,13 +12,14 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream;
-use kvtier_io::{AlignedBuf, HostAllocator};
+use kvtier_io::AlignedBuf;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path;
 use object_store::{ClientOptions, ObjectStoreExt, PutPayload, RetryConfig};
 
 use super::config::S3Options;
-use super::{RemoteError, to_block_buf};
+use super::{Fetched, Landing, RemoteError};
+use crate::key::BlockKey;
 
 /// An S3 G4 backend.
 pub struct S3Backend {
@@ -113,15 +114,15 @@ impl S3Backend {
             .collect()
     }
 
-    /// The values of `names` (`None`: absent), each in a block buffer of
-    /// at least `slot` bytes from `alloc` (see [`to_block_buf`]).
+    /// The values of `names` (the names of `keys`), each landed and
+    /// checked by `landing`.
     pub async fn get(
         &self,
         names: &[String],
+        keys: &[BlockKey],
         in_flight: usize,
-        alloc: &Arc<dyn HostAllocator>,
-        slot: usize,
-    ) -> Result<Vec<Option<AlignedBuf>>, RemoteError> {
+        landing: &Landing,
+    ) -> Result<Vec<Fetched>, RemoteError> {
         let results: Vec<Result<Option<_>, object_store::Error>> = stream::iter(paths(names))
             .map(|p| async move {
                 match self.store.get(&p).await {
@@ -135,8 +136,9 @@ impl S3Backend {
             .await;
         results
             .into_iter()
-            .map(|r| match r {
-                Ok(Some(b)) => to_block_buf(&b, alloc, slot).map(Some),
+            .zip(keys)
+            .map(|(r, k)| match r {
+                Ok(Some(b)) => landing.land(k, &b).map(Some),
                 Ok(None) => Ok(None),
                 Err(e) => Err(s3_err(&self.shown, &e)),
             })
