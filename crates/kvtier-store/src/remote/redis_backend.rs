@@ -100,6 +100,18 @@ fn tls_certs(config: &RemoteConfig) -> Result<Option<TlsCertificates>, RemoteErr
     }))
 }
 
+/// One `CMD name` per name.
+fn per_name(cmd: &str, names: &[String]) -> Vec<Cmd> {
+    names
+        .iter()
+        .map(|n| {
+            let mut c = redis::cmd(cmd);
+            c.arg(n);
+            c
+        })
+        .collect()
+}
+
 fn redis_err(shown: &str, e: &RedisError, limit: Duration) -> RemoteError {
     if e.is_timeout() {
         return RemoteError::Timeout(limit);
@@ -230,14 +242,7 @@ impl RedisBackend {
         names: &[String],
         in_flight: usize,
     ) -> Result<Vec<bool>, RemoteError> {
-        let cmds = names
-            .iter()
-            .map(|n| {
-                let mut c = redis::cmd("EXISTS");
-                c.arg(n);
-                c
-            })
-            .collect();
+        let cmds = per_name("EXISTS", names);
         let counts: Vec<i64> = self.run_all(cmds, in_flight).await?;
         Ok(counts.into_iter().map(|n| n > 0).collect())
     }
@@ -254,14 +259,7 @@ impl RedisBackend {
         if let Some(fast) = &self.fast {
             return fast.clone().get(names, keys, landing).await;
         }
-        let cmds = names
-            .iter()
-            .map(|n| {
-                let mut c = redis::cmd("GET");
-                c.arg(n);
-                c
-            })
-            .collect();
+        let cmds = per_name("GET", names);
         let values: Vec<Option<Vec<u8>>> = self.run_all(cmds, in_flight).await?;
         values
             .into_iter()
@@ -293,9 +291,9 @@ impl RedisBackend {
 
     /// Deletes `name` (a block that failed verification).
     pub async fn delete(&self, name: &str) -> Result<(), RemoteError> {
-        let mut c = redis::cmd("DEL");
-        c.arg(name);
-        let _: Vec<i64> = self.run_all(vec![c], 1).await?;
+        let _: Vec<i64> = self
+            .run_all(per_name("DEL", &[name.to_string()]), 1)
+            .await?;
         Ok(())
     }
 }

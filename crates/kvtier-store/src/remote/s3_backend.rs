@@ -7,6 +7,7 @@
 //! retry loop is limited to one quick retry), so a dead endpoint turns into
 //! misses within the operation timeout.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -91,20 +92,19 @@ impl S3Backend {
         &self.shown
     }
 
-    /// Which of `names` exist.
-    pub async fn exists(
+    /// Runs `op` on every item, up to `in_flight` at once, results in
+    /// order; the first error fails the batch.
+    async fn each<I, T, Fut>(
         &self,
-        names: &[String],
+        items: Vec<I>,
         in_flight: usize,
-    ) -> Result<Vec<bool>, RemoteError> {
-        let results: Vec<Result<bool, object_store::Error>> = stream::iter(paths(names))
-            .map(|p| async move {
-                match self.store.head(&p).await {
-                    Ok(_) => Ok(true),
-                    Err(object_store::Error::NotFound { .. }) => Ok(false),
-                    Err(e) => Err(e),
-                }
-            })
+        op: impl FnMut(I) -> Fut,
+    ) -> Result<Vec<T>, RemoteError>
+    where
+        Fut: Future<Output = Result<T, object_store::Error>>,
+    {
+        let results: Vec<Result<T, object_store::Error>> = stream::iter(items)
+            .map(op)
             .buffered(in_flight.max(1))
             .collect()
             .await;
@@ -112,6 +112,22 @@ impl S3Backend {
             .into_iter()
             .map(|r| r.map_err(|e| s3_err(&self.shown, &e)))
             .collect()
+    }
+
+    /// Which of `names` exist.
+    pub async fn exists(
+        &self,
+        names: &[String],
+        in_flight: usize,
+    ) -> Result<Vec<bool>, RemoteError> {
+        self.each(paths(names), in_flight, |p| async move {
+            match self.store.head(&p).await {
+                Ok(_) => Ok(true),
+                Err(object_store::Error::NotFound { .. }) => Ok(false),
+                Err(e) => Err(e),
+            }
+        })
+        .await
     }
 
     /// The values of `names` (the names of `keys`), each landed and
@@ -123,25 +139,19 @@ impl S3Backend {
         in_flight: usize,
         landing: &Landing,
     ) -> Result<Vec<Fetched>, RemoteError> {
-        let results: Vec<Result<Option<_>, object_store::Error>> = stream::iter(paths(names))
-            .map(|p| async move {
+        let values = self
+            .each(paths(names), in_flight, |p| async move {
                 match self.store.get(&p).await {
                     Ok(r) => r.bytes().await.map(Some),
                     Err(object_store::Error::NotFound { .. }) => Ok(None),
                     Err(e) => Err(e),
                 }
             })
-            .buffered(in_flight.max(1))
-            .collect()
-            .await;
-        results
+            .await?;
+        values
             .into_iter()
             .zip(keys)
-            .map(|(r, k)| match r {
-                Ok(Some(b)) => landing.land(k, &b).map(Some),
-                Ok(None) => Ok(None),
-                Err(e) => Err(s3_err(&self.shown, &e)),
-            })
+            .map(|(v, k)| v.map(|b| landing.land(k, &b)).transpose())
             .collect()
     }
 
@@ -151,20 +161,15 @@ impl S3Backend {
         items: Vec<(String, Arc<AlignedBuf>, usize)>,
         in_flight: usize,
     ) -> Result<(), RemoteError> {
-        let results: Vec<Result<(), object_store::Error>> = stream::iter(items)
-            .map(|(n, buf, len)| async move {
-                let payload = PutPayload::from(buf[..len].to_vec());
-                self.store
-                    .put(&Path::from(n.as_str()), payload)
-                    .await
-                    .map(|_| ())
-            })
-            .buffered(in_flight.max(1))
-            .collect()
-            .await;
-        results
-            .into_iter()
-            .try_for_each(|r| r.map_err(|e| s3_err(&self.shown, &e)))
+        self.each(items, in_flight, |(n, buf, len)| async move {
+            let payload = PutPayload::from(buf[..len].to_vec());
+            self.store
+                .put(&Path::from(n.as_str()), payload)
+                .await
+                .map(|_| ())
+        })
+        .await
+        .map(|_| ())
     }
 
     /// Deletes `name` (a block that failed verification).
