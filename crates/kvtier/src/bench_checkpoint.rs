@@ -36,7 +36,7 @@ use crate::cli_model::CheckpointBenchArgs;
 use crate::cmd_model_synth::plan_model;
 use crate::device_limit::{measure_write, random_write_patterns};
 use crate::host::{CacheDrops, first_touch_gbps, settle};
-use crate::report::{median, paired_fraction};
+use crate::report::{fraction, median, paired_fraction};
 use crate::size::format_size;
 use kvtier_io::recycle::RecyclingAllocator;
 
@@ -370,17 +370,9 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
                 durable: true,
                 crash_consistent: *name == "kvtier",
                 samples_gbps: s.gbps.clone(),
-                fraction_of_limit: if limit_gbps > 0.0 {
-                    gbps / limit_gbps
-                } else {
-                    0.0
-                },
+                fraction_of_limit: fraction(gbps, limit_gbps),
                 paired_fraction: paired_fraction(&s.gbps, &s.limit_pos, &limits),
-                ratio_vs_naive: if naive_gbps > 0.0 {
-                    gbps / naive_gbps
-                } else {
-                    0.0
-                },
+                ratio_vs_naive: fraction(gbps, naive_gbps),
                 file_bytes: s.file_bytes,
                 files: s.files,
                 direct: s.direct,

@@ -35,7 +35,7 @@ use crate::host::{CacheDrops, first_touch_gbps, settle};
 use crate::load_contenders::{self as lc, Loaded, NaivePool};
 use crate::prefault::PopulatingAllocator;
 use crate::python_contenders::{PyLoader, Python};
-use crate::report::{median, paired_fraction};
+use crate::report::{fraction, median, paired_fraction};
 use kvtier_io::recycle::RecyclingAllocator;
 
 /// Largest first-touch sample.
@@ -418,17 +418,9 @@ fn build_report(
                 gbps,
                 mode: mode_name(warm).into(),
                 samples_gbps: s.gbps.clone(),
-                fraction_of_limit: if device_limit_gbps > 0.0 {
-                    gbps / device_limit_gbps
-                } else {
-                    0.0
-                },
+                fraction_of_limit: fraction(gbps, device_limit_gbps),
                 paired_fraction: paired_fraction(&s.gbps, &s.limit_pos, &limit_samples),
-                fraction_of_first_touch: if first_touch_gbps > 0.0 {
-                    gbps / first_touch_gbps
-                } else {
-                    0.0
-                },
+                fraction_of_first_touch: fraction(gbps, first_touch_gbps),
                 ratio_vs_naive: div(naive),
                 ratio_vs_runai: div(runai),
                 note,

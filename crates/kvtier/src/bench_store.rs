@@ -15,7 +15,7 @@ use crate::bench_dirs::RunDirs;
 use crate::cli::{BenchArgs, BenchTier};
 use crate::device_limit::{DeviceLimit, limit_file_bytes};
 use crate::host::CacheDrops;
-use crate::report::{BenchReport, CaseReport, median, paired_fraction, render_table};
+use crate::report::{BenchReport, CaseReport, fraction, median, paired_fraction, render_table};
 use crate::size::format_size;
 use crate::slot_layout::layout_for_block_bytes;
 
@@ -186,11 +186,7 @@ fn run_g3(args: &BenchArgs) -> Result<()> {
                 in_flight: q,
                 block_bytes,
                 gbps,
-                fraction_of_limit: if device_limit_gbps > 0.0 {
-                    gbps / device_limit_gbps
-                } else {
-                    0.0
-                },
+                fraction_of_limit: fraction(gbps, device_limit_gbps),
                 samples_gbps: case_samples[c].clone(),
                 paired_fraction: paired_fraction(&case_samples[c], &case_pos[c], &limit_samples),
                 chunk_blocks: chunks[c] as u32,

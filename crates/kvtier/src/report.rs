@@ -76,6 +76,11 @@ pub struct BenchReport {
     pub first_touch_gbps: f64,
 }
 
+/// `a / b`, or 0 when `b` is not positive (no baseline measured).
+pub fn fraction(a: f64, b: f64) -> f64 {
+    if b > 0.0 { a / b } else { 0.0 }
+}
+
 /// The median of `v` (mean of the middle two for an even count; 0 if empty
 /// or NaN).
 pub fn median(v: &[f64]) -> f64 {
