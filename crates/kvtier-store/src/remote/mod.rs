@@ -206,6 +206,19 @@ impl Landing {
         let buf = to_block_buf(value, &self.alloc, self.slot)?;
         Ok(self.check(key, buf))
     }
+
+    /// [`land`](Self::land) for every present value, in key order.
+    pub(crate) fn land_all<V: AsRef<[u8]>>(
+        &self,
+        values: Vec<Option<V>>,
+        keys: &[BlockKey],
+    ) -> Result<Vec<Fetched>, RemoteError> {
+        values
+            .into_iter()
+            .zip(keys)
+            .map(|(v, k)| v.map(|v| self.land(k, v.as_ref())).transpose())
+            .collect()
+    }
 }
 
 /// A value read from the pool, copied into a zeroed block buffer of `slot`

@@ -261,11 +261,7 @@ impl RedisBackend {
         }
         let cmds = per_name("GET", names);
         let values: Vec<Option<Vec<u8>>> = self.run_all(cmds, in_flight).await?;
-        values
-            .into_iter()
-            .zip(keys)
-            .map(|(v, k)| v.map(|v| landing.land(k, &v)).transpose())
-            .collect()
+        landing.land_all(values, keys)
     }
 
     /// Writes every `(name, value)`.

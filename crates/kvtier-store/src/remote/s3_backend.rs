@@ -148,11 +148,7 @@ impl S3Backend {
                 }
             })
             .await?;
-        values
-            .into_iter()
-            .zip(keys)
-            .map(|(v, k)| v.map(|b| landing.land(k, &b)).transpose())
-            .collect()
+        landing.land_all(values, keys)
     }
 
     /// Writes every `(name, value)`.
