@@ -56,11 +56,20 @@ unsafe impl HostAllocator for SystemAllocator {
             // A dangling but aligned pointer is valid for zero-sized access.
             return NonNull::new(layout.align() as *mut u8);
         }
+        if is_mapped(layout) {
+            return map_zeroed(layout.size());
+        }
         // SAFETY: the layout has a non-zero size.
         NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
     }
 
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        if is_mapped(layout) {
+            // SAFETY: `allocate_zeroed` mapped exactly this many bytes here
+            // for the same layout, and the caller no longer uses them.
+            unsafe { libc::munmap(ptr.as_ptr().cast(), layout.size()) };
+            return;
+        }
         if layout.size() != 0 {
             // SAFETY: the caller passes a pointer from `alloc_zeroed(layout)`.
             unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) }
@@ -70,6 +79,41 @@ unsafe impl HostAllocator for SystemAllocator {
     fn name(&self) -> &'static str {
         "system"
     }
+}
+
+/// [`SystemAllocator`] serves allocations of at least this many bytes (and
+/// at most 4 KiB alignment) as fresh anonymous mappings.
+///
+/// Why: the global allocator's `alloc_zeroed` with an alignment above 16
+/// bytes allocates and then zero-fills, touching every page on the calling
+/// thread before the caller writes a byte. For a multi-GiB load destination
+/// that is a full first-touch pass (slow on a VM, see the loader's
+/// `prefault`) done serially before the first read. A fresh mapping is zero
+/// by construction and faulted in where it is first written, which the
+/// loader overlaps with its reads. Smaller buffers stay on the heap, where
+/// freed memory is reused without new page faults.
+pub const MAP_THRESHOLD: usize = 64 << 20;
+
+fn is_mapped(layout: Layout) -> bool {
+    layout.size() >= MAP_THRESHOLD && layout.align() <= DIRECT_IO_ALIGN
+}
+
+fn map_zeroed(len: usize) -> Option<NonNull<u8>> {
+    // SAFETY: a new private anonymous mapping: no file, no fixed address.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    NonNull::new(p.cast::<u8>())
 }
 
 /// The allocator used when a caller names none.
@@ -240,6 +284,23 @@ impl fmt::Debug for AlignedBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn large_buffers_are_fresh_zeroed_mappings() {
+        let len = MAP_THRESHOLD + 5000;
+        let mut buf = AlignedBuf::zeroed(len, DIRECT_IO_ALIGN).unwrap();
+        assert!(is_mapped(buf.layout));
+        assert_eq!(buf.as_ptr() as usize % DIRECT_IO_ALIGN, 0);
+        assert!(buf.iter().step_by(4096).all(|&b| b == 0));
+        assert_eq!(buf[len - 1], 0);
+        buf.fill(9);
+        assert!(buf.iter().step_by(4096).all(|&b| b == 9));
+        drop(buf);
+        // Larger alignments stay with the global allocator.
+        let wide = AlignedBuf::zeroed(MAP_THRESHOLD, 1 << 16).unwrap();
+        assert!(!is_mapped(wide.layout));
+        assert_eq!(wide.as_ptr() as usize % (1 << 16), 0);
+    }
 
     #[test]
     fn aligned_and_zeroed() {

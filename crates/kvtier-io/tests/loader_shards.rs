@@ -119,11 +119,17 @@ fn both_backends_direct_and_buffered_on_unaligned_files() {
     }
     for engine in engines() {
         for &direct in &modes {
-            for (chunk_bytes, in_flight) in [(4096, 1), (16 << 10, 8), (8 << 20, 32)] {
+            for (chunk_bytes, in_flight, prefault) in [
+                (4096, 1, false),
+                (16 << 10, 8, true),
+                (8 << 20, 32, true),
+                (8 << 20, 32, false),
+            ] {
                 let cfg = LoaderConfig {
                     chunk_bytes,
                     in_flight,
                     direct,
+                    prefault,
                 };
                 let alloc = Arc::new(Counting::default());
                 let dyn_alloc: Arc<dyn HostAllocator> = alloc.clone();

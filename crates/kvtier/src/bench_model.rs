@@ -33,7 +33,6 @@ use crate::cmd_model_load::check_model_dir;
 use crate::device_limit::{DeviceLimit, limit_file_bytes};
 use crate::host::{CacheDrops, first_touch_gbps, settle};
 use crate::load_contenders::{self as lc, Loaded, NaivePool};
-use crate::prefault::PopulatingAllocator;
 use crate::python_contenders::{PyLoader, Python};
 use crate::report::{fraction, median, paired_fraction};
 use kvtier_io::recycle::RecyclingAllocator;
@@ -269,7 +268,6 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
                     Contender::Kvtier => {
                         let alloc: Arc<dyn HostAllocator> = match &pools {
                             Some(p) => p.kvtier.clone(),
-                            None if args.prefault => Arc::new(PopulatingAllocator::new()),
                             None => system_allocator(),
                         };
                         lc::kvtier(&paths, &cfg, engine, &alloc)
@@ -462,6 +460,6 @@ fn build_report(
         kvtier_io,
         limit_file_bytes: facts.limit_bytes,
         limit_io_bytes: facts.limit_io_bytes,
-        prefault: args.prefault,
+        prefault: cfg.prefault,
     }
 }

@@ -102,8 +102,8 @@ pub struct ModelBenchReport {
     pub limit_file_bytes: u64,
     /// Bytes per device-limit read.
     pub limit_io_bytes: u64,
-    /// True when the cold kvtier loads used buffers faulted in ahead of the
-    /// reads by a helper thread (`--prefault`).
+    /// True when the kvtier loader faulted its destination in on a helper
+    /// thread while reading (the default; off with `--no-prefault`).
     pub prefault: bool,
 }
 
@@ -144,12 +144,15 @@ pub fn render_table(r: &ModelBenchReport) -> String {
         format_size(io.chunk_bytes),
         io.in_flight
     );
-    if r.prefault {
-        let _ = writeln!(
-            out,
-            "               cold: destination faulted in ahead of the reads by a helper thread (--prefault)"
-        );
-    }
+    let _ = writeln!(
+        out,
+        "               destination {}",
+        if r.prefault {
+            "faulted in by a helper thread while the reads run"
+        } else {
+            "faulted in by the reads themselves (--no-prefault)"
+        }
+    );
     if let Some(why) = &io.buffered_reason {
         let _ = writeln!(out, "               buffered because: {why}");
     }

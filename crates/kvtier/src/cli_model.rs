@@ -26,6 +26,11 @@ pub struct LoaderFlags {
     /// Read buffered instead of probing for O_DIRECT.
     #[arg(long)]
     pub buffered: bool,
+
+    /// Do not fault the destination memory in on a helper thread while the
+    /// reads run (the default does, so page faults overlap the reads).
+    #[arg(long)]
+    pub no_prefault: bool,
 }
 
 impl LoaderFlags {
@@ -35,6 +40,7 @@ impl LoaderFlags {
             chunk_bytes: self.chunk_bytes as usize,
             in_flight: self.in_flight as usize,
             direct: if self.buffered { Some(false) } else { None },
+            prefault: !self.no_prefault,
         }
     }
 }
@@ -134,12 +140,6 @@ pub struct ModelBenchArgs {
     /// 1 GiB].
     #[arg(long, value_name = "SIZE", value_parser = size_arg)]
     pub limit_bytes: Option<u64>,
-
-    /// Cold mode: give the kvtier loader buffers that a helper thread
-    /// faults in (MADV_POPULATE_WRITE) ahead of the reads, instead of
-    /// plain fresh memory (an experiment with the loader's allocator hook).
-    #[arg(long)]
-    pub prefault: bool,
 }
 
 /// Flags of `kvtier model synth`.
@@ -275,6 +275,7 @@ mod tests {
             chunk_bytes: 8 << 20,
             in_flight: 32,
             buffered: false,
+            no_prefault: false,
         };
         assert_eq!(flags.config(), LoaderConfig::default());
     }

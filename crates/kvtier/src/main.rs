@@ -33,7 +33,6 @@ mod cmd_serve;
 mod device_limit;
 mod host;
 mod load_contenders;
-mod prefault;
 mod python_contenders;
 mod redis_benchmark;
 mod remote_flags;

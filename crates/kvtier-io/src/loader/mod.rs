@@ -5,7 +5,9 @@
 //! shard, with the chunks of all shards in one engine batch and `in_flight`
 //! of them outstanding. Reads land in place (no bounce buffer, no copy), with
 //! `O_DIRECT` where the file system takes it and buffered reads, with the
-//! reason logged and reported, where it does not.
+//! reason logged and reported, where it does not. A helper thread faults
+//! the fresh destination in while the reads run, so that page faults overlap
+//! the I/O instead of taking turns with it (`prefault`).
 //!
 //! Every header is read and validated before any shard buffer is allocated,
 //! so a lying header cannot cause a huge allocation: the file length bounds
@@ -17,6 +19,7 @@
 
 mod error;
 mod index;
+mod prefault;
 mod read;
 mod shard;
 mod window;
@@ -43,6 +46,10 @@ pub struct LoaderConfig {
     /// probe each file with one direct read and fall back, with a logged
     /// reason, where it fails.
     pub direct: Option<bool>,
+    /// Fault the destination memory in on a helper thread while the reads
+    /// run (default true). A cold load into fresh memory otherwise faults
+    /// each read's pages in when it is submitted, in turn with the reads.
+    pub prefault: bool,
 }
 
 impl Default for LoaderConfig {
@@ -51,6 +58,7 @@ impl Default for LoaderConfig {
             chunk_bytes: 8 << 20,
             in_flight: 32,
             direct: None,
+            prefault: true,
         }
     }
 }

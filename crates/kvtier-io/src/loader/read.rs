@@ -5,6 +5,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::buffer::{AlignedBuf, DIRECT_IO_ALIGN};
 use crate::direct::open_read;
@@ -13,6 +14,7 @@ use crate::safetensors::{Header, read_header_from};
 
 use super::LoaderConfig;
 use super::error::LoadError;
+use super::prefault;
 use super::window::carve;
 
 /// A shard whose header is validated, open for the bulk read.
@@ -105,7 +107,9 @@ fn probe_direct_read(path: &Path) -> io::Result<File> {
 /// Allocates one buffer per shard and reads every shard whole into it with
 /// `chunk_bytes` reads at aligned offsets (the last one rounded up to 4 KiB
 /// and ending short at end of file), all in one batch with `in_flight`
-/// outstanding. Reads land in place: no bounce buffer, no copy.
+/// outstanding. Reads land in place: no bounce buffer, no copy. With
+/// `cfg.prefault`, a helper thread faults the buffers in ahead of the reads
+/// while they run (see [`prefault`]).
 pub(crate) fn read_shards(
     shards: &[OpenShard],
     bufs: &mut [AlignedBuf],
@@ -120,9 +124,11 @@ pub(crate) fn read_shards(
     }
     let mut ops = Vec::new();
     let mut plan = Vec::new();
+    let mut ranges = Vec::with_capacity(bufs.len());
     for (i, (shard, buf)) in shards.iter().zip(bufs.iter_mut()).enumerate() {
         let cap = buf.capacity();
         let base = buf.as_mut_ptr();
+        ranges.push((base as usize, cap));
         let mut offset = 0usize;
         while offset < cap {
             let len = cfg.chunk_bytes.min(cap - offset);
@@ -142,7 +148,27 @@ pub(crate) fn read_shards(
             offset += len;
         }
     }
-    let done = engine.run_batch(ops, cfg.in_flight);
+    let stop = AtomicBool::new(false);
+    let done = std::thread::scope(|s| {
+        if cfg.prefault {
+            // The buffers outlive this scope. Failing to start the helper
+            // only costs speed. The first `in_flight` reads are submitted at
+            // once and fault their own pages: start after them.
+            let skip = cfg.in_flight.saturating_mul(cfg.chunk_bytes);
+            let helper = std::thread::Builder::new()
+                .name("kvtier-prefault".into())
+                .spawn_scoped(s, {
+                    let (ranges, stop) = (&ranges, &stop);
+                    move || prefault::populate(ranges, skip, stop)
+                });
+            if let Err(e) = helper {
+                tracing::debug!("no prefault thread: {e}");
+            }
+        }
+        let done = engine.run_batch(ops, cfg.in_flight);
+        stop.store(true, Ordering::Relaxed);
+        done
+    });
     let intact = done.len() == plan.len()
         && done
             .iter()
