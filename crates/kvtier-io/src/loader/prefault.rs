@@ -3,16 +3,16 @@
 //! A cold load reads into newly allocated memory. With `O_DIRECT` the kernel
 //! pins each read's destination pages when the read is submitted, faulting
 //! in any that are missing on the submitting thread: faulting and reading
-//! then take turns instead of overlapping. On the reference VM (1.1-1.9 GB/s
-//! reads, about 2.4 GB/s first touch) that held a 4 GiB cold load to 0.84 of
-//! the device limit; with the destination faulted in here, on a second
-//! thread, ahead of the reads, the same run pattern reached 0.92.
+//! then take turns instead of overlapping. On the reference VM (1.2-1.9 GB/s
+//! reads, about 2.4 GB/s first touch) a 4 GiB cold load with the destination
+//! faulted in here, on a second thread, ahead of the reads, reached 0.92 of
+//! the device limit (docs/benchmarks.md, "Model load").
 //!
 //! `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) faults pages in as a write
 //! would, without writing: it never changes bytes, so it is safe while
 //! reads land in the same memory. Pages already present (a warm buffer,
 //! pinned host memory) cost a page-table walk. A kernel without it (EINVAL)
-//! turns this into a no-op, logged once per load.
+//! turns this into a no-op, logged at debug level.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
