@@ -270,6 +270,30 @@ impl IoEngine {
             Backend::ThreadPool => crate::threads::run_batch_map(ops, in_flight, &f),
         }
     }
+
+    /// Streams ops through the engine: pulls the next op from `next`
+    /// whenever fewer than `in_flight` (clamped to 1..=[`MAX_IN_FLIGHT`])
+    /// are outstanding, and hands each finished op to `on_done` with its
+    /// position in the stream, as soon as it completes. Returns once `next`
+    /// gives `None` and every op pulled has been handed back.
+    ///
+    /// Unlike a batch, the ops need not exist up front: a writer fills the
+    /// next buffer while the device works on the others, and gets each
+    /// buffer back to refill as soon as its write is done, so the device
+    /// queue never drains between groups. `next` and `on_done` run on the
+    /// calling thread (io_uring) or, one at a time, on pool threads.
+    pub fn run_stream<'f>(
+        &self,
+        in_flight: usize,
+        mut next: impl FnMut() -> Option<IoOp<'f>> + Send,
+        mut on_done: impl FnMut(usize, IoDone) + Send,
+    ) {
+        let in_flight = in_flight.clamp(1, MAX_IN_FLIGHT);
+        match self.backend {
+            Backend::IoUring => crate::uring::run_stream(in_flight, &mut next, &mut on_done),
+            Backend::ThreadPool => crate::threads::run_stream(in_flight, &mut next, &mut on_done),
+        }
+    }
 }
 
 impl fmt::Display for IoEngine {
@@ -423,6 +447,86 @@ mod tests {
                 assert!(matched, "callback saw op {i}'s bytes");
                 assert_eq!(done.result.unwrap(), len);
             }
+        }
+    }
+
+    #[test]
+    fn stream_refills_from_returned_buffers_and_writes_every_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let direct = probe_direct(dir.path()).direct;
+        for engine in engines() {
+            let path = dir.path().join(format!("st-{}", engine.backend().name()));
+            let file = open_direct(&path, true, direct).unwrap();
+            let len = 16 * 1024;
+            let n = 50;
+            let in_flight = 4;
+            // A pool refilled only by completions: at most `in_flight`
+            // buffers can ever exist if the stream keeps its bound.
+            let pool = std::sync::Mutex::new(Vec::<AlignedBuf>::new());
+            let allocated = std::sync::atomic::AtomicUsize::new(0);
+            let mut i = 0;
+            let mut seen = vec![false; n];
+            engine.run_stream(
+                in_flight,
+                || {
+                    if i == n {
+                        return None;
+                    }
+                    let mut buf = pool.lock().unwrap().pop().unwrap_or_else(|| {
+                        allocated.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        AlignedBuf::zeroed(len, DIRECT_IO_ALIGN).unwrap()
+                    });
+                    buf.copy_from_slice(&pattern(i, len));
+                    i += 1;
+                    Some(IoOp::write(&file, ((i - 1) * len) as u64, buf))
+                },
+                |k, done| {
+                    assert_eq!(done.result.unwrap(), len);
+                    assert!(!seen[k], "op {k} handed back twice");
+                    seen[k] = true;
+                    pool.lock().unwrap().push(done.buf.into_owned().unwrap());
+                },
+            );
+            assert!(seen.iter().all(|&s| s), "every op handed back");
+            let made = allocated.into_inner();
+            assert!(
+                made <= in_flight,
+                "{made} buffers for {in_flight} in flight"
+            );
+            let bytes = std::fs::read(&path).unwrap();
+            for k in 0..n {
+                assert_eq!(
+                    &bytes[k * len..(k + 1) * len],
+                    &pattern(k, len)[..],
+                    "op {k}"
+                );
+            }
+            // A write error reaches `on_done` and the stream stops pulling.
+            let ro = File::open(&path).unwrap();
+            let mut pulled = 0;
+            let mut failed = 0;
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            engine.run_stream(
+                2,
+                || {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) || pulled == 100 {
+                        return None;
+                    }
+                    pulled += 1;
+                    Some(IoOp::write(&ro, 0, pattern(0, 4096)))
+                },
+                |_, done| {
+                    if done.result.is_err() {
+                        failed += 1;
+                        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                },
+            );
+            assert!(
+                failed >= 1 && pulled < 100,
+                "pulled {pulled}, failed {failed}"
+            );
+            assert_eq!(failed, pulled, "every pulled op failed and came back");
         }
     }
 

@@ -49,6 +49,39 @@ where
         .collect()
 }
 
+/// Runs a stream with up to `in_flight` threads: each takes the next op
+/// from `next` (one at a time, under a lock), runs it, and hands it to
+/// `on_done` (also under a lock) with its position in the stream.
+pub(crate) fn run_stream<'f>(
+    in_flight: usize,
+    next: &mut (dyn FnMut() -> Option<IoOp<'f>> + Send),
+    on_done: &mut (dyn FnMut(usize, IoDone) + Send),
+) {
+    let source = Mutex::new((0usize, next));
+    let sink = Mutex::new(on_done);
+    let work = || {
+        loop {
+            let pulled = {
+                let mut g = source.lock().unwrap_or_else(|p| p.into_inner());
+                let (seq, next) = &mut *g;
+                next().map(|op| {
+                    *seq += 1;
+                    (*seq - 1, op)
+                })
+            };
+            let Some((i, op)) = pulled else { break };
+            let done = run_one(op);
+            (sink.lock().unwrap_or_else(|p| p.into_inner()))(i, done);
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..in_flight {
+            s.spawn(work);
+        }
+        work();
+    });
+}
+
 fn run_one(op: IoOp<'_>) -> IoDone {
     let IoOp {
         kind,

@@ -1,7 +1,8 @@
 //! io_uring backend: one ring per calling thread.
 //!
-//! The caller submits up to `in_flight` ops, waits for at least one
-//! completion, refills, and returns once every op has completed. Partial
+//! The caller submits up to `in_flight` ops (taken from a batch, or pulled
+//! from a stream as slots free up), waits for at least one completion,
+//! refills, and returns once every op has completed. Partial
 //! transfers are resubmitted for the remainder; `EINTR`/`EAGAIN` completions
 //! are retried. If the ring itself fails mid-batch, the remaining ops fail
 //! with that error, but the function still waits for every op the kernel
@@ -48,85 +49,143 @@ pub(crate) fn probe() -> io::Result<()> {
 }
 
 struct Pending<'f> {
-    /// `None` once completed and handed to the callback.
-    op: Option<IoOp<'f>>,
+    /// Position of the op in the stream (submission order).
+    seq: usize,
+    op: IoOp<'f>,
     done: usize,
     err: Option<io::Error>,
 }
 
-/// Runs a batch on this thread's ring (created on first use), calling `f`
-/// on each op as it completes, while the others are still in flight.
+/// Runs `f` on this thread's ring (created on first use). `None` when the
+/// ring is unavailable: already borrowed (a callback running I/O of its
+/// own) or impossible to create; the caller then uses the thread pool.
+fn with_ring<R>(f: impl FnOnce(&mut IoUring) -> R) -> Option<R> {
+    RING.with(|cell| {
+        let mut slot = cell.try_borrow_mut().ok()?;
+        if slot.is_none() {
+            match IoUring::new(MAX_IN_FLIGHT as u32) {
+                Ok(r) => *slot = Some(r),
+                Err(e) => {
+                    tracing::warn!("cannot create io_uring ({e}); running I/O on threads");
+                    return None;
+                }
+            }
+        }
+        slot.as_mut().map(f)
+    })
+}
+
+/// Runs a batch on this thread's ring, calling `f` on each op as it
+/// completes, while the others are still in flight.
 pub(crate) fn run_batch_map<T, F>(ops: Vec<IoOp<'_>>, in_flight: usize, f: &F) -> Vec<(IoDone, T)>
 where
     T: Send,
     F: Fn(usize, &IoDone) -> T + Sync,
 {
-    RING.with(|cell| {
-        let mut slot = match cell.try_borrow_mut() {
-            Ok(s) => s,
-            // Re-entrancy (a callback running a batch of its own) gets the
-            // thread pool rather than a second borrow of this ring.
-            Err(_) => return crate::threads::run_batch_map(ops, in_flight, f),
-        };
-        if slot.is_none() {
-            match IoUring::new(MAX_IN_FLIGHT as u32) {
-                Ok(r) => *slot = Some(r),
-                Err(e) => {
-                    tracing::warn!("cannot create io_uring ({e}); running batch on threads");
-                    drop(slot);
-                    return crate::threads::run_batch_map(ops, in_flight, f);
-                }
-            }
-        }
-        match slot.as_mut() {
-            Some(ring) => drive(ring, ops, in_flight, f),
-            None => crate::threads::run_batch_map(ops, in_flight, f),
-        }
-    })
+    let n = ops.len();
+    let mut ops = Some(ops);
+    let out = with_ring(|ring| {
+        let mut it = ops.take().into_iter().flatten();
+        let mut results: Vec<Option<(IoDone, T)>> = (0..n).map(|_| None).collect();
+        drive(ring, in_flight, &mut || it.next(), &mut |i, d| {
+            let t = f(i, &d);
+            results[i] = Some((d, t));
+        });
+        results.into_iter().flatten().collect()
+    });
+    match (out, ops) {
+        (Some(out), _) => out,
+        (None, Some(ops)) => crate::threads::run_batch_map(ops, in_flight, f),
+        (None, None) => Vec::new(),
+    }
 }
 
-fn drive<T, F>(ring: &mut IoUring, ops: Vec<IoOp<'_>>, in_flight: usize, f: &F) -> Vec<(IoDone, T)>
-where
-    F: Fn(usize, &IoDone) -> T,
-{
-    let n = ops.len();
-    let mut ps: Vec<Pending<'_>> = ops
-        .into_iter()
-        .map(|op| Pending {
-            op: Some(op),
-            done: 0,
-            err: None,
-        })
-        .collect();
-    let mut results: Vec<Option<(IoDone, T)>> = (0..n).map(|_| None).collect();
-    let mut queue: VecDeque<usize> = (0..n).collect();
+/// Runs a stream on this thread's ring (see [`IoEngine::run_stream`]),
+/// or on the thread pool when the ring is unavailable.
+///
+/// [`IoEngine::run_stream`]: crate::engine::IoEngine::run_stream
+pub(crate) fn run_stream<'f>(
+    in_flight: usize,
+    next: &mut (dyn FnMut() -> Option<IoOp<'f>> + Send),
+    on_done: &mut (dyn FnMut(usize, IoDone) + Send),
+) {
+    // The closures move into `with_ring` only by reference, so the
+    // fallback below can still use them.
+    let ran = with_ring(|ring| drive(ring, in_flight, &mut *next, &mut *on_done));
+    if ran.is_none() {
+        crate::threads::run_stream(in_flight, next, on_done);
+    }
+}
+
+/// The submission loop: pulls ops from `next` whenever fewer than
+/// `in_flight` are in the kernel, resubmits partial transfers, and hands
+/// each finished op to `on_done` with its position in the stream. Returns
+/// once `next` is exhausted and every op has been handed back.
+fn drive<'f>(
+    ring: &mut IoUring,
+    in_flight: usize,
+    next: &mut dyn FnMut() -> Option<IoOp<'f>>,
+    on_done: &mut dyn FnMut(usize, IoDone),
+) {
+    // Ops the kernel may hold, by slot; the slot index is the user data.
+    let mut slots: Vec<Option<Pending<'f>>> = Vec::new();
+    let mut free: Vec<usize> = Vec::new();
+    // Slots waiting for (re)submission: partial transfers, EINTR/EAGAIN.
+    let mut retry: VecDeque<usize> = VecDeque::new();
     let mut ready: Vec<usize> = Vec::new();
     let mut outstanding = 0usize;
-    let mut finished = 0usize;
+    let mut seq = 0usize;
+    let mut exhausted = false;
     let mut ring_err: Option<io::Error> = None;
 
-    while finished < n {
+    loop {
         // Fill the ring up to the in-flight limit.
         while ring_err.is_none() && outstanding < in_flight {
-            let Some(i) = queue.pop_front() else { break };
-            let p = &mut ps[i];
-            let Some(op) = p.op.as_mut() else { continue };
+            let s = match retry.pop_front() {
+                Some(s) => s,
+                None if exhausted => break,
+                None => {
+                    let Some(op) = next() else {
+                        exhausted = true;
+                        break;
+                    };
+                    let p = Pending {
+                        seq,
+                        op,
+                        done: 0,
+                        err: None,
+                    };
+                    seq += 1;
+                    match free.pop() {
+                        Some(s) => {
+                            slots[s] = Some(p);
+                            s
+                        }
+                        None => {
+                            slots.push(Some(p));
+                            slots.len() - 1
+                        }
+                    }
+                }
+            };
+            let Some(p) = slots[s].as_mut() else { continue };
+            let op = &mut p.op;
             let remaining = op.buf.len() - p.done;
             if remaining == 0 {
-                ready.push(i);
+                ready.push(s);
                 continue;
             }
             let len = remaining.min(MAX_CHUNK) as u32;
             let fd = types::Fd(op.file.as_raw_fd());
             let off = op.offset + p.done as u64;
             let sqe = match op.kind {
-                // SAFETY (both arms): the buffer is owned by `ps`, which
-                // outlives every in-flight op (an op leaves `ps` only after
-                // its completion), and `done + len <= buf.len()`.
+                // SAFETY (both arms): the buffer is owned by `slots`, which
+                // outlives every in-flight op (an op leaves `slots` only
+                // after its completion), and `done + len <= buf.len()`.
                 IoKind::Read => {
                     let Some(b) = op.buf.owned_mut() else {
                         // A shared buffer cannot be read into; `finish` reports it.
-                        ready.push(i);
+                        ready.push(s);
                         continue;
                     };
                     let ptr = unsafe { b.as_mut_ptr().add(p.done) };
@@ -137,22 +196,31 @@ where
                     opcode::Write::new(fd, ptr, len).offset(off).build()
                 }
             }
-            .user_data(i as u64);
+            .user_data(s as u64);
             // SAFETY: see above; the entry's memory stays valid until its
             // completion is reaped.
             if unsafe { ring.submission().push(&sqe) }.is_err() {
-                queue.push_front(i);
+                retry.push_front(s);
                 break;
             }
             outstanding += 1;
         }
         if outstanding == 0 && ready.is_empty() {
-            // Nothing in the kernel and nothing to hand back: the ring
-            // failed, so the rest fail without submission.
-            let Some(e) = &ring_err else { break };
-            while let Some(i) = queue.pop_front() {
-                ps[i].err = Some(io::Error::new(e.kind(), e.to_string()));
-                ready.push(i);
+            if exhausted && retry.is_empty() {
+                return;
+            }
+            let Some(e) = &ring_err else { continue };
+            // Nothing in the kernel and the ring failed: the rest fail
+            // without submission, including ops the stream still has.
+            let e = io::Error::new(e.kind(), e.to_string());
+            fail_rest(&mut slots, &mut retry, &mut ready, &e);
+            if !exhausted {
+                while let Some(op) = next() {
+                    let err = io::Error::new(e.kind(), e.to_string());
+                    on_done(seq, finish(op.kind, op.buf, 0, Some(err)));
+                    seq += 1;
+                }
+                exhausted = true;
             }
         }
         if outstanding > 0 {
@@ -169,57 +237,72 @@ where
                 tracing::error!(
                     "io_uring wait failed with {outstanding} ops in flight; leaking their buffers"
                 );
-                std::mem::forget(ps);
-                return (0..n)
-                    .map(|i| {
-                        let done = IoDone {
-                            buf: IoBuf::Owned(AlignedBuf::empty()),
-                            result: Err(io::Error::other("io_uring failed with ops in flight")),
-                        };
-                        let t = f(i, &done);
-                        (done, t)
-                    })
-                    .collect();
+                let seqs: Vec<usize> = slots.iter().flatten().map(|p| p.seq).collect();
+                std::mem::forget(slots);
+                let fail = || IoDone {
+                    buf: IoBuf::Owned(AlignedBuf::empty()),
+                    result: Err(io::Error::other("io_uring failed with ops in flight")),
+                };
+                for s in seqs {
+                    on_done(s, fail());
+                }
+                while !exhausted && let Some(_op) = next() {
+                    on_done(seq, fail());
+                    seq += 1;
+                }
+                return;
             }
             let cqes: Vec<(u64, i32)> = ring
                 .completion()
                 .map(|c| (c.user_data(), c.result()))
                 .collect();
             for (ud, res) in cqes {
-                let i = ud as usize;
-                let Some(p) = ps.get_mut(i) else { continue };
-                let Some(op) = p.op.as_ref() else { continue };
+                let s = ud as usize;
+                let Some(Some(p)) = slots.get_mut(s) else {
+                    continue;
+                };
                 outstanding -= 1;
                 if res < 0 {
                     let errno = -res;
                     if errno == libc::EINTR || errno == libc::EAGAIN {
-                        queue.push_back(i);
+                        retry.push_back(s);
                     } else {
                         p.err = Some(io::Error::from_raw_os_error(errno));
-                        ready.push(i);
+                        ready.push(s);
                     }
                 } else if res == 0 {
                     // End of file for reads; a zero-byte write is reported by `finish`.
-                    ready.push(i);
+                    ready.push(s);
                 } else {
                     p.done += res as usize;
-                    if p.done >= op.buf.len() {
-                        ready.push(i);
+                    if p.done >= p.op.buf.len() {
+                        ready.push(s);
                     } else {
-                        queue.push_back(i);
+                        retry.push_back(s);
                     }
                 }
             }
         }
-        // Hand completed ops to the callback while the rest stay in flight.
-        for i in ready.drain(..) {
-            let p = &mut ps[i];
-            let Some(op) = p.op.take() else { continue };
-            let done = finish(op.kind, op.buf, p.done, p.err.take());
-            let t = f(i, &done);
-            results[i] = Some((done, t));
-            finished += 1;
+        // Hand completed ops back while the rest stay in flight.
+        for s in ready.drain(..) {
+            let Some(p) = slots[s].take() else { continue };
+            free.push(s);
+            on_done(p.seq, finish(p.op.kind, p.op.buf, p.done, p.err));
         }
     }
-    results.into_iter().flatten().collect()
+}
+
+/// Marks every op waiting for resubmission as failed with `e`.
+fn fail_rest(
+    slots: &mut [Option<Pending<'_>>],
+    retry: &mut VecDeque<usize>,
+    ready: &mut Vec<usize>,
+    e: &io::Error,
+) {
+    while let Some(s) = retry.pop_front() {
+        if let Some(p) = slots[s].as_mut() {
+            p.err = Some(io::Error::new(e.kind(), e.to_string()));
+            ready.push(s);
+        }
+    }
 }

@@ -205,7 +205,7 @@ pub struct CheckpointBenchArgs {
     #[arg(long, value_name = "N", value_parser = flight_arg)]
     pub in_flight: Option<u32>,
 
-    /// Worker threads of the kvtier writer [default: the library's].
+    /// Threads fsyncing the kvtier writer's files [default: the library's].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub threads: Option<u32>,
 
@@ -215,8 +215,9 @@ pub struct CheckpointBenchArgs {
     pub only: Vec<String>,
 
     /// Give the kvtier writer write buffers from a pool touched before
-    /// timing (as a trainer saving periodically would keep), instead of
-    /// fresh memory on every save.
+    /// timing, so even its first save needs no fresh memory. Without it the
+    /// writer's process-wide pool keeps buffers from one save to the next,
+    /// so only the first save faults fresh memory in.
     #[arg(long)]
     pub reuse_buffers: bool,
 

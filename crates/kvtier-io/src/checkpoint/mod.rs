@@ -44,10 +44,13 @@
 //! written padded to 4 KiB with zeros, and the file is then truncated
 //! (`ftruncate`) to its exact length.
 //!
-//! A synchronous [`save`] gathers the caller's tensors into a few reusable
-//! aligned buffers per worker thread ([`SaveOptions::threads`]) while other
-//! workers' writes are in flight; crc32c values are computed on a separate
-//! thread meanwhile. [`save_async`] copies the file images into host buffers
+//! A synchronous [`save`] streams chunk writes through the I/O engine: the
+//! next chunk is gathered from the caller's tensors into an aligned buffer
+//! while [`SaveOptions::in_flight`] writes are outstanding, and each buffer
+//! is refilled as soon as its write completes; crc32c values are computed
+//! on a separate thread meanwhile. The buffers come from
+//! [`SaveOptions::allocator`], by default [`default_write_allocator`], which
+//! keeps them for the process's next save. [`save_async`] copies the file images into host buffers
 //! from [`SaveOptions::allocator`] (the snapshot), returns a [`SaveHandle`],
 //! and writes them from a background thread with no further copy.
 //!
@@ -89,10 +92,11 @@ mod writer;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use crate::buffer::{HostAllocator, system_allocator};
+use crate::buffer::HostAllocator;
 use crate::engine::IoEngine;
+use crate::recycle::RecyclingAllocator;
 use crate::safetensors::Dtype;
 
 pub use background::{SaveHandle, save_async};
@@ -153,8 +157,9 @@ pub struct SaveOptions {
     /// `in_flight x chunk_bytes` of write buffers (256 MiB by default),
     /// reused from chunk to chunk.
     pub in_flight: usize,
-    /// Worker threads gathering and submitting writes, and fsyncing files
-    /// (default: available cores, at most 4).
+    /// Threads truncating and fsyncing the shard files once written
+    /// (default: available cores, at most 4). Writes are submitted by the
+    /// calling thread (io_uring) or by `in_flight` pool threads.
     pub threads: usize,
     /// Use `O_DIRECT` where the directory accepts it (default true); false
     /// forces buffered writes.
@@ -167,7 +172,8 @@ pub struct SaveOptions {
     pub metadata: BTreeMap<String, String>,
     /// The engine that runs the writes.
     pub engine: IoEngine,
-    /// Where write buffers and async snapshots come from.
+    /// Where write buffers and async snapshots come from (default
+    /// [`default_write_allocator`]).
     pub allocator: Arc<dyn HostAllocator>,
 }
 
@@ -176,13 +182,13 @@ impl Default for SaveOptions {
         Self {
             shard_bytes: 2 << 30,
             chunk_bytes: 8 << 20,
-            in_flight: 32,
+            in_flight: DEFAULT_IN_FLIGHT,
             threads: default_threads(),
             direct: true,
             preallocate: true,
             metadata: BTreeMap::new(),
             engine: IoEngine::shared().clone(),
-            allocator: system_allocator(),
+            allocator: default_write_allocator(),
         }
     }
 }
@@ -219,6 +225,25 @@ impl CheckpointInfo {
             0.0
         }
     }
+}
+
+/// Writes a save keeps in flight by default ([`SaveOptions::in_flight`]).
+const DEFAULT_IN_FLIGHT: usize = 32;
+
+/// The allocator saves use by default: one per process, which keeps up to
+/// [`DEFAULT_IN_FLIGHT`] freed buffers (256 MiB of 8 MiB chunk buffers)
+/// for the next save instead of handing them back to the system.
+///
+/// Why: fresh RAM faults in slowly on VMs whose host reclaims freed memory
+/// (0.38 GB/s on the reference VM). A save that faulted in its write
+/// buffers every time measured 0.79 of the device write limit there, and
+/// 1.0 with the buffers kept (docs/benchmarks.md). Trainers save
+/// periodically, so from the second save on no new memory is needed; the
+/// price is that memory staying with the process between saves.
+pub fn default_write_allocator() -> Arc<dyn HostAllocator> {
+    static POOL: OnceLock<Arc<RecyclingAllocator>> = OnceLock::new();
+    POOL.get_or_init(|| Arc::new(RecyclingAllocator::new(DEFAULT_IN_FLIGHT)))
+        .clone()
 }
 
 pub(crate) fn default_threads() -> usize {

@@ -370,72 +370,64 @@ fn tensor_crcs(plan: &Plan, source: &Source<'_>) -> Vec<u32> {
 
 type WriteFailure = (usize, io::Error);
 
-/// Synchronous save: `threads` workers each take `in_flight / threads`
-/// consecutive chunks at a time, gather them into their own reusable
-/// aligned buffers, and write them as one engine batch.
+/// Synchronous save: one engine stream keeps `in_flight` chunk writes
+/// outstanding. The next chunk is gathered into a buffer while the device
+/// works on the others, and every buffer is refilled as soon as its write
+/// completes, so at most `in_flight` chunk buffers exist.
+///
+/// Why a stream and not batches: gathering a group of chunks and then
+/// waiting for the whole group let the device queue drain between groups;
+/// measured on the reference VM that cost a tenth or more of the write
+/// limit (docs/benchmarks.md).
 fn write_gathered(
     files: &[File],
     plan: &Plan,
     data: &[&[u8]],
     opts: &SaveOptions,
 ) -> Result<(), WriteFailure> {
-    let n = plan.chunks.len();
-    if n == 0 {
-        return Ok(());
-    }
-    let workers = opts.threads.clamp(1, n);
-    let depth = (opts.in_flight / workers).max(1);
-    let next = AtomicUsize::new(0);
+    let mut chunks = plan.chunks.iter();
+    let pool: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
     let abort = AtomicBool::new(false);
-    let failed: Mutex<Option<WriteFailure>> = Mutex::new(None);
-    let fail = |f: WriteFailure| {
-        abort.store(true, Ordering::Relaxed);
-        let mut slot = failed.lock().unwrap_or_else(|p| p.into_inner());
-        slot.get_or_insert(f);
-    };
-    std::thread::scope(|s| {
-        for _ in 0..workers {
-            s.spawn(|| {
-                let mut pool: Vec<AlignedBuf> = Vec::with_capacity(depth);
-                while !abort.load(Ordering::Relaxed) {
-                    let start = next.fetch_add(depth, Ordering::Relaxed);
-                    if start >= n {
-                        break;
-                    }
-                    let group = &plan.chunks[start..(start + depth).min(n)];
-                    let mut ops = Vec::with_capacity(group.len());
-                    for c in group {
-                        let mut buf = match pool.pop() {
-                            Some(b) => b,
-                            None => match AlignedBuf::zeroed_in(
-                                &opts.allocator,
-                                plan.chunk_bytes,
-                                DIRECT_IO_ALIGN,
-                            ) {
-                                Ok(b) => b,
-                                Err(e) => {
-                                    fail((c.shard, io::Error::new(io::ErrorKind::OutOfMemory, e)));
-                                    return;
-                                }
-                            },
-                        };
-                        buf.set_len(c.len);
-                        plan.fill(c.shard, c.offset, &mut buf, data);
-                        ops.push(IoOp::write(&files[c.shard], c.offset, buf));
-                    }
-                    for (done, c) in opts.engine.run_batch(ops, depth).into_iter().zip(group) {
-                        if let Err(e) = done.result {
-                            fail((c.shard, e));
-                        }
-                        if let Some(b) = done.buf.into_owned() {
-                            pool.push(b);
+    let mut failed: Option<WriteFailure> = None;
+    let mut alloc_failed: Option<WriteFailure> = None;
+    opts.engine.run_stream(
+        opts.in_flight,
+        || {
+            if abort.load(Ordering::Relaxed) {
+                return None;
+            }
+            let c = chunks.next()?;
+            let recycled = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
+            let mut buf = match recycled {
+                Some(b) => b,
+                None => {
+                    match AlignedBuf::zeroed_in(&opts.allocator, plan.chunk_bytes, DIRECT_IO_ALIGN)
+                    {
+                        Ok(b) => b,
+                        Err(e) => {
+                            alloc_failed =
+                                Some((c.shard, io::Error::new(io::ErrorKind::OutOfMemory, e)));
+                            return None;
                         }
                     }
                 }
-            });
-        }
-    });
-    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            };
+            buf.set_len(c.len);
+            plan.fill(c.shard, c.offset, &mut buf, data);
+            Some(IoOp::write(&files[c.shard], c.offset, buf))
+        },
+        |i, done| {
+            if let Err(e) = done.result {
+                abort.store(true, Ordering::Relaxed);
+                // Chunks are pulled in order, so stream position `i` is chunk `i`.
+                failed.get_or_insert((plan.chunks[i].shard, e));
+            }
+            if let Some(b) = done.buf.into_owned() {
+                pool.lock().unwrap_or_else(|p| p.into_inner()).push(b);
+            }
+        },
+    );
+    match failed.or(alloc_failed) {
         Some(f) => Err(f),
         None => Ok(()),
     }
