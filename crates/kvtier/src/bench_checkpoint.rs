@@ -107,7 +107,7 @@ pub struct CheckpointBenchReport {
     pub kvtier_chunk_bytes: u64,
     /// Writes the kvtier writer keeps in flight.
     pub kvtier_in_flight: usize,
-    /// Threads fsyncing the kvtier writer's files.
+    /// Threads gathering chunks for the kvtier writer (and fsyncing files).
     pub kvtier_threads: usize,
     /// Why the kvtier writer did not use O_DIRECT, when it did not.
     pub kvtier_direct_reason: Option<String>,
@@ -258,11 +258,12 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
     }
 
     if args.reuse_buffers {
-        // The writer holds up to `in_flight` chunk buffers; keep that many
-        // touched and zeroed between saves.
-        let mut pool = RecyclingAllocator::new(opts.in_flight);
+        // The writer holds up to `in_flight + threads` chunk buffers; keep
+        // that many touched and zeroed between saves.
+        let kept = opts.in_flight + opts.threads;
+        let mut pool = RecyclingAllocator::new(kept);
         let layout = Layout::from_size_align(opts.chunk_bytes, DIRECT_IO_ALIGN)?;
-        if !pool.reserve(layout, opts.in_flight) {
+        if !pool.reserve(layout, kept) {
             bail!("out of memory reserving the writer's buffers");
         }
         let pool = Arc::new(pool);
@@ -434,7 +435,7 @@ pub fn render_table(r: &CheckpointBenchReport) -> String {
     );
     let _ = writeln!(
         out,
-        "kvtier writer:      {} writes x {} in flight, {} fsync thread(s){}",
+        "kvtier writer:      {} writes x {} in flight, {} gather thread(s){}",
         format_size(r.kvtier_chunk_bytes),
         r.kvtier_in_flight,
         r.kvtier_threads,

@@ -205,7 +205,8 @@ pub struct CheckpointBenchArgs {
     #[arg(long, value_name = "N", value_parser = flight_arg)]
     pub in_flight: Option<u32>,
 
-    /// Threads fsyncing the kvtier writer's files [default: the library's].
+    /// Threads gathering chunks for the kvtier writer (and fsyncing its
+    /// files) [default: the library's].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub threads: Option<u32>,
 

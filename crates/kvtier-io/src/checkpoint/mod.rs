@@ -44,11 +44,11 @@
 //! written padded to 4 KiB with zeros, and the file is then truncated
 //! (`ftruncate`) to its exact length.
 //!
-//! A synchronous [`save`] streams chunk writes through the I/O engine: the
-//! next chunk is gathered from the caller's tensors into an aligned buffer
-//! while [`SaveOptions::in_flight`] writes are outstanding, and each buffer
-//! is refilled as soon as its write completes; crc32c values are computed
-//! on a separate thread meanwhile. The buffers come from
+//! A synchronous [`save`] streams chunk writes through the I/O engine:
+//! [`SaveOptions::threads`] threads gather the caller's tensors into aligned
+//! chunk buffers while [`SaveOptions::in_flight`] writes are outstanding,
+//! and each buffer is refilled as soon as its write completes; crc32c values
+//! are computed on a separate thread meanwhile. The buffers come from
 //! [`SaveOptions::allocator`], by default [`default_write_allocator`], which
 //! keeps them for the process's next save. [`save_async`] copies the file images into host buffers
 //! from [`SaveOptions::allocator`] (the snapshot), returns a [`SaveHandle`],
@@ -154,12 +154,12 @@ pub struct SaveOptions {
     /// Bytes per write: a non-zero multiple of 4096 (default 8 MiB).
     pub chunk_bytes: usize,
     /// Writes kept in flight (default 32). A synchronous save holds up to
-    /// `in_flight x chunk_bytes` of write buffers (256 MiB by default),
-    /// reused from chunk to chunk.
+    /// `(in_flight + threads) x chunk_bytes` of write buffers (about 256 MiB
+    /// by default), reused from chunk to chunk.
     pub in_flight: usize,
-    /// Threads truncating and fsyncing the shard files once written
-    /// (default: available cores, at most 4). Writes are submitted by the
-    /// calling thread (io_uring) or by `in_flight` pool threads.
+    /// Threads gathering tensor bytes into chunk buffers, and later
+    /// fsyncing the shard files (default: available cores, at most 4). A
+    /// synchronous save holds up to `in_flight + threads` chunk buffers.
     pub threads: usize,
     /// Use `O_DIRECT` where the directory accepts it (default true); false
     /// forces buffered writes.
@@ -230,9 +230,9 @@ impl CheckpointInfo {
 /// Writes a save keeps in flight by default ([`SaveOptions::in_flight`]).
 const DEFAULT_IN_FLIGHT: usize = 32;
 
-/// The allocator saves use by default: one per process, which keeps up to
-/// [`DEFAULT_IN_FLIGHT`] freed buffers (256 MiB of 8 MiB chunk buffers)
-/// for the next save instead of handing them back to the system.
+/// The allocator saves use by default: one per process, which keeps the
+/// chunk buffers of a default save (`in_flight + threads` of 8 MiB, about
+/// 256 MiB) for the next save instead of handing them back to the system.
 ///
 /// Why: fresh RAM faults in slowly on VMs whose host reclaims freed memory
 /// (0.38 GB/s on the reference VM). A save that faulted in its write
@@ -242,8 +242,12 @@ const DEFAULT_IN_FLIGHT: usize = 32;
 /// price is that memory staying with the process between saves.
 pub fn default_write_allocator() -> Arc<dyn HostAllocator> {
     static POOL: OnceLock<Arc<RecyclingAllocator>> = OnceLock::new();
-    POOL.get_or_init(|| Arc::new(RecyclingAllocator::new(DEFAULT_IN_FLIGHT)))
-        .clone()
+    POOL.get_or_init(|| {
+        Arc::new(RecyclingAllocator::new(
+            DEFAULT_IN_FLIGHT + default_threads(),
+        ))
+    })
+    .clone()
 }
 
 pub(crate) fn default_threads() -> usize {

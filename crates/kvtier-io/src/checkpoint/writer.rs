@@ -6,7 +6,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use super::dirs::{self, DirLock, shard_file_name};
@@ -370,66 +370,144 @@ fn tensor_crcs(plan: &Plan, source: &Source<'_>) -> Vec<u32> {
 
 type WriteFailure = (usize, io::Error);
 
-/// Synchronous save: one engine stream keeps `in_flight` chunk writes
-/// outstanding. The next chunk is gathered into a buffer while the device
-/// works on the others, and every buffer is refilled as soon as its write
-/// completes, so at most `in_flight` chunk buffers exist.
+/// Synchronous save: `threads` filler threads gather chunks into aligned
+/// buffers while one engine stream keeps `in_flight` chunk writes
+/// outstanding; each buffer goes back to the fillers as soon as its write
+/// completes. At most `in_flight + threads` chunk buffers exist.
 ///
-/// Why a stream and not batches: gathering a group of chunks and then
-/// waiting for the whole group let the device queue drain between groups;
-/// measured on the reference VM that cost a tenth or more of the write
-/// limit (docs/benchmarks.md).
+/// Why this shape (measured on the reference VM, docs/benchmarks.md):
+/// gathering a group of chunks and then waiting for the whole group let the
+/// device queue drain between groups, and gathering on the submitting
+/// thread alone made the copy the limit (0.72-0.84 of the device write
+/// limit, against 1.0 with the copy left out).
 fn write_gathered(
     files: &[File],
     plan: &Plan,
     data: &[&[u8]],
     opts: &SaveOptions,
 ) -> Result<(), WriteFailure> {
-    let mut chunks = plan.chunks.iter();
-    let pool: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
+    let n = plan.chunks.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let fillers = opts.threads.clamp(1, n);
+    let pool = BufPool::new(opts.in_flight + fillers);
+    let next_chunk = AtomicUsize::new(0);
     let abort = AtomicBool::new(false);
-    let mut failed: Option<WriteFailure> = None;
-    let mut alloc_failed: Option<WriteFailure> = None;
-    opts.engine.run_stream(
-        opts.in_flight,
-        || {
-            if abort.load(Ordering::Relaxed) {
-                return None;
-            }
-            let c = chunks.next()?;
-            let recycled = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
-            let mut buf = match recycled {
-                Some(b) => b,
-                None => {
-                    match AlignedBuf::zeroed_in(&opts.allocator, plan.chunk_bytes, DIRECT_IO_ALIGN)
-                    {
+    let failed: Mutex<Option<WriteFailure>> = Mutex::new(None);
+    let fail = |f: WriteFailure| {
+        abort.store(true, Ordering::Relaxed);
+        failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(f);
+    };
+    // The chunk index of each op, by stream position, to name a failure.
+    let order: Mutex<Vec<usize>> = Mutex::new(Vec::with_capacity(n));
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, AlignedBuf)>(opts.in_flight + fillers);
+    std::thread::scope(|s| {
+        for _ in 0..fillers {
+            let tx = tx.clone();
+            let (pool, next_chunk, abort, fail) = (&pool, &next_chunk, &abort, &fail);
+            s.spawn(move || {
+                while !abort.load(Ordering::Relaxed) {
+                    // A buffer first, then a chunk: a claimed chunk is always sent.
+                    let mut buf = match pool.take(|| {
+                        AlignedBuf::zeroed_in(&opts.allocator, plan.chunk_bytes, DIRECT_IO_ALIGN)
+                    }) {
                         Ok(b) => b,
                         Err(e) => {
-                            alloc_failed =
-                                Some((c.shard, io::Error::new(io::ErrorKind::OutOfMemory, e)));
-                            return None;
+                            let shard = plan.chunks.get(next_chunk.load(Ordering::Relaxed));
+                            fail((
+                                shard.map_or(0, |c| c.shard),
+                                io::Error::new(io::ErrorKind::OutOfMemory, e),
+                            ));
+                            break;
                         }
+                    };
+                    let k = next_chunk.fetch_add(1, Ordering::Relaxed);
+                    let Some(c) = plan.chunks.get(k) else {
+                        pool.put(buf);
+                        break;
+                    };
+                    buf.set_len(c.len);
+                    plan.fill(c.shard, c.offset, &mut buf, data);
+                    if tx.send((k, buf)).is_err() {
+                        break;
                     }
                 }
-            };
-            buf.set_len(c.len);
-            plan.fill(c.shard, c.offset, &mut buf, data);
-            Some(IoOp::write(&files[c.shard], c.offset, buf))
-        },
-        |i, done| {
-            if let Err(e) = done.result {
-                abort.store(true, Ordering::Relaxed);
-                // Chunks are pulled in order, so stream position `i` is chunk `i`.
-                failed.get_or_insert((plan.chunks[i].shard, e));
-            }
-            if let Some(b) = done.buf.into_owned() {
-                pool.lock().unwrap_or_else(|p| p.into_inner()).push(b);
-            }
-        },
-    );
-    match failed.or(alloc_failed) {
+            });
+        }
+        // The stream ends when every filler has finished and the channel is empty.
+        drop(tx);
+        let order = &order;
+        opts.engine.run_stream(
+            opts.in_flight,
+            move || {
+                let (k, buf) = rx.recv().ok()?;
+                let c = &plan.chunks[k];
+                order.lock().unwrap_or_else(|p| p.into_inner()).push(k);
+                Some(IoOp::write(&files[c.shard], c.offset, buf))
+            },
+            |i, done| {
+                if let Err(e) = done.result {
+                    let k = order.lock().unwrap_or_else(|p| p.into_inner())[i];
+                    fail((plan.chunks[k].shard, e));
+                }
+                if let Some(b) = done.buf.into_owned() {
+                    pool.put(b);
+                }
+            },
+        );
+    });
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
         Some(f) => Err(f),
         None => Ok(()),
+    }
+}
+
+/// Chunk buffers shared by the fillers and the write stream: at most `cap`
+/// are ever allocated; a filler waits for a completed write to hand one
+/// back when all are in use.
+struct BufPool {
+    state: Mutex<(Vec<AlignedBuf>, usize)>,
+    returned: Condvar,
+    cap: usize,
+}
+
+impl BufPool {
+    fn new(cap: usize) -> Self {
+        Self {
+            state: Mutex::new((Vec::new(), 0)),
+            returned: Condvar::new(),
+            cap,
+        }
+    }
+
+    /// A free buffer, a new one from `alloc` while fewer than `cap` exist,
+    /// or the next one handed back.
+    fn take<E>(&self, alloc: impl FnOnce() -> Result<AlignedBuf, E>) -> Result<AlignedBuf, E> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(b) = st.0.pop() {
+                return Ok(b);
+            }
+            if st.1 < self.cap {
+                st.1 += 1;
+                drop(st);
+                return alloc();
+            }
+            st = self.returned.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn put(&self, buf: AlignedBuf) {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .push(buf);
+        self.returned.notify_one();
     }
 }
 
