@@ -75,8 +75,17 @@ fn redis_two_stores_share_blocks_through_g4() {
     let redis = RedisServer::start().unwrap();
     let _ = shares_blocks_between_two_stores(RemoteConfig::new(redis.url()));
     // Blocks live under the namespace.
-    let keys = redis.command(&[b"KEYS", b"kvtier:*"]).unwrap();
-    assert_eq!(keys.as_array().map(<[_]>::len), Some(48), "{keys:?}");
+    let listed = redis.command(&[b"KEYS", b"kvtier:*"]).unwrap();
+    assert_eq!(listed.as_array().map(<[_]>::len), Some(48), "{listed:?}");
+
+    // With fewer connections than blocks, each connection reads many blocks
+    // one after another, and every one still lands in its own place.
+    let mut few = RemoteConfig::new(redis.url());
+    few.in_flight = 5;
+    let c = remote_store(None, few);
+    let ks = keys(0..48);
+    let tiers = assert_all_hits(&ks, &c.get_many(&ks));
+    assert!(tiers.iter().all(|&t| t == Tier::G4), "{tiers:?}");
 }
 
 #[test]

@@ -257,7 +257,7 @@ impl RedisBackend {
         landing: &Landing,
     ) -> Result<Vec<Fetched>, RemoteError> {
         if let Some(fast) = &self.fast {
-            return fast.clone().get(names, keys, landing).await;
+            return fast.clone().get(names, keys, in_flight, landing).await;
         }
         let cmds = per_name("GET", names);
         let values: Vec<Option<Vec<u8>>> = self.run_all(cmds, in_flight).await?;
