@@ -6,8 +6,9 @@
 //!   tier is G4 (no G2, no G3). `--total-bytes` of blocks with
 //!   `--block-bytes` of KV payload are put (written through to the pool),
 //!   flushed, then read back with `get_many` in calls of `chunk` blocks, one
-//!   G4 batch per call with the largest `--in-flight` depth of GETs in
-//!   flight (pipelined over a few connections on one plain-TCP node). Every block is verified
+//!   G4 batch per call with up to `--in-flight` GETs in flight (on one
+//!   plain-TCP node: that many connections, one GET outstanding on each,
+//!   as redis-benchmark's side runs). Every block is verified
 //!   by the store (checksums, key, model, layout) and must come back from
 //!   G4; a miss fails the run.
 //! * The redis-benchmark side GETs the *same* keys: block keys are chosen so
