@@ -144,6 +144,11 @@ fn round_trip_odd_sizes_many_small_and_a_tensor_bigger_than_a_shard() {
         1,
         "a tensor over the shard target gets its own shard"
     );
+    // The manifest's checksums (computed piecewise while gathering, then
+    // joined) are those of each whole tensor.
+    for (entry, t) in m.tensors.iter().zip(&ts) {
+        assert_eq!(entry.crc32c, crc32c::crc32c(&t.data), "{}", t.name);
+    }
 
     // A second generation replaces the first; its files are gone.
     let mut ts2 = ts.clone();

@@ -12,6 +12,10 @@ use crate::safetensors::{Dtype, TensorInfo, encode_header};
 /// data section (the data section itself starts at a multiple of it).
 pub const TENSOR_ALIGN: u64 = DIRECT_IO_ALIGN as u64;
 
+/// Largest piece [`Plan::fill_with`] copies before handing it on: small
+/// enough to still be in the core's cache when it is checksummed.
+pub(crate) const FILL_PIECE: usize = 256 << 10;
+
 /// Where one input tensor lands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Placed {
@@ -88,10 +92,25 @@ impl Plan {
     /// `offset`: header, tensor bytes from `data` (indexed like the input),
     /// zeros for padding and past the file's end.
     pub fn fill(&self, shard: usize, offset: u64, out: &mut [u8], data: &[&[u8]]) {
+        self.fill_with(shard, offset, out, data, |_, _| {});
+    }
+
+    /// [`fill`](Self::fill), calling `copied(i, bytes)` with each piece of
+    /// input tensor `i` right after it is copied (pieces of at most
+    /// [`FILL_PIECE`] bytes, in file order), while it is still in cache.
+    pub fn fill_with(
+        &self,
+        shard: usize,
+        offset: u64,
+        out: &mut [u8],
+        data: &[&[u8]],
+        mut copied: impl FnMut(usize, &[u8]),
+    ) {
         let sl = &self.shards[shard];
         let end = offset + out.len() as u64;
         let mut pos = offset;
-        let mut copy = |seg_start: u64, src: &[u8], pos: &mut u64| {
+        // `tensor`: the input index, `None` for the header.
+        let mut copy = |tensor: Option<usize>, seg_start: u64, src: &[u8], pos: &mut u64| {
             let seg_end = seg_start + src.len() as u64;
             let s = seg_start.max(offset);
             let e = seg_end.min(end);
@@ -101,11 +120,17 @@ impl Plan {
             if s > *pos {
                 out[(*pos - offset) as usize..(s - offset) as usize].fill(0);
             }
-            out[(s - offset) as usize..(e - offset) as usize]
-                .copy_from_slice(&src[(s - seg_start) as usize..(e - seg_start) as usize]);
+            let dst = &mut out[(s - offset) as usize..(e - offset) as usize];
+            let src = &src[(s - seg_start) as usize..(e - seg_start) as usize];
+            for (d, s) in dst.chunks_mut(FILL_PIECE).zip(src.chunks(FILL_PIECE)) {
+                d.copy_from_slice(s);
+                if let Some(i) = tensor {
+                    copied(i, d);
+                }
+            }
             *pos = e;
         };
-        copy(0, &sl.header, &mut pos);
+        copy(None, 0, &sl.header, &mut pos);
         let ds = sl.data_start();
         // First member that ends after `offset`.
         let first = sl
@@ -116,7 +141,7 @@ impl Plan {
             if start >= end {
                 break;
             }
-            copy(start, data[i], &mut pos);
+            copy(Some(i), start, data[i], &mut pos);
         }
         if pos < end {
             out[(pos - offset) as usize..].fill(0);

@@ -47,8 +47,8 @@
 //! A synchronous [`save`] streams chunk writes through the I/O engine:
 //! [`SaveOptions::threads`] threads gather the caller's tensors into aligned
 //! chunk buffers while [`SaveOptions::in_flight`] writes are outstanding,
-//! and each buffer is refilled as soon as its write completes; crc32c values
-//! are computed on a separate thread meanwhile. The buffers come from
+//! and each buffer is refilled as soon as its write completes; the gathering
+//! threads compute the crc32c values from what they just copied. The buffers come from
 //! [`SaveOptions::allocator`], by default [`default_write_allocator`], which
 //! keeps them for the process's next save. [`save_async`] copies the file images into host buffers
 //! from [`SaveOptions::allocator`] (the snapshot), returns a [`SaveHandle`],
