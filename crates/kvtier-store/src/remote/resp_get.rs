@@ -1,5 +1,5 @@
-//! The G4 read hot path for one plain-TCP Redis/Valkey node: pipelined
-//! `GET`s whose values are read straight into block buffers.
+//! The G4 read hot path for one plain-TCP Redis/Valkey node: `GET`s on
+//! many connections whose values are read straight into block buffers.
 //!
 //! Why hand-written: a profile of `kvtier store bench --tier g4` (2 MiB
 //! blocks, through the `redis` crate) spent 36 % of its CPU in `memmove` and
@@ -52,7 +52,7 @@ struct Conn {
     start: usize,
 }
 
-/// A pool of pipelining connections for `GET`s into block buffers.
+/// A pool of connections for `GET`s into block buffers.
 pub struct FastGet {
     addr: NodeAddr,
     shown: String,
