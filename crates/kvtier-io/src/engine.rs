@@ -33,46 +33,51 @@ pub enum IoKind {
     Write,
 }
 
-/// The buffer of one op: owned (reads and writes), or shared read-only
-/// (writes of a block that readers may hold at the same time, with no copy).
+/// The buffer of one op: owned (reads and writes), shared read-only (writes
+/// of a block that readers may hold at the same time, with no copy), or
+/// borrowed read-only from the caller (writes straight from the caller's
+/// memory, with no copy).
 #[derive(Debug)]
-pub enum IoBuf {
+pub enum IoBuf<'b> {
     /// Exclusively owned; required for reads.
     Owned(AlignedBuf),
     /// Shared; the `Arc` keeps it alive while the kernel reads from it.
     Shared(Arc<AlignedBuf>),
+    /// Borrowed; the borrow lasts until the op's [`IoDone`] is dropped, and
+    /// the engine never returns before the kernel is done with it. With
+    /// `O_DIRECT` its address must be aligned as the file system asks
+    /// ([`DIRECT_IO_ALIGN`](crate::DIRECT_IO_ALIGN) always is).
+    Borrowed(&'b [u8]),
 }
 
-impl IoBuf {
+impl IoBuf<'_> {
     /// The owned buffer, if this is one.
     pub fn into_owned(self) -> Option<AlignedBuf> {
         match self {
             IoBuf::Owned(b) => Some(b),
-            IoBuf::Shared(_) => None,
+            IoBuf::Shared(_) | IoBuf::Borrowed(_) => None,
         }
     }
 
     pub(crate) fn as_ptr(&self) -> *const u8 {
-        match self {
-            IoBuf::Owned(b) => b.as_ptr(),
-            IoBuf::Shared(b) => b.as_ptr(),
-        }
+        self.deref().as_ptr()
     }
 
     pub(crate) fn owned_mut(&mut self) -> Option<&mut AlignedBuf> {
         match self {
             IoBuf::Owned(b) => Some(b),
-            IoBuf::Shared(_) => None,
+            IoBuf::Shared(_) | IoBuf::Borrowed(_) => None,
         }
     }
 }
 
-impl Deref for IoBuf {
+impl Deref for IoBuf<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         match self {
             IoBuf::Owned(b) => b,
             IoBuf::Shared(b) => b,
+            IoBuf::Borrowed(b) => b,
         }
     }
 }
@@ -88,7 +93,7 @@ pub struct IoOp<'f> {
     /// Byte offset in the file.
     pub offset: u64,
     /// The buffer; returned in [`IoDone`]. Reads need [`IoBuf::Owned`].
-    pub buf: IoBuf,
+    pub buf: IoBuf<'f>,
 }
 
 impl<'f> IoOp<'f> {
@@ -121,6 +126,19 @@ impl<'f> IoOp<'f> {
             buf: IoBuf::Shared(buf),
         }
     }
+
+    /// A write straight from the caller's memory (no copy; the kernel only
+    /// reads it). With `O_DIRECT`, `data` must start at an address aligned
+    /// for the file (see [`IoBuf::Borrowed`]) and be a whole number of
+    /// sectors long.
+    pub fn write_borrowed(file: &'f File, offset: u64, data: &'f [u8]) -> Self {
+        Self {
+            kind: IoKind::Write,
+            file,
+            offset,
+            buf: IoBuf::Borrowed(data),
+        }
+    }
 }
 
 /// A finished I/O: its buffer back, and the bytes moved or the error.
@@ -128,9 +146,9 @@ impl<'f> IoOp<'f> {
 /// For reads, `buf.len()` is set to the bytes actually read (shorter than
 /// asked only at end of file).
 #[derive(Debug)]
-pub struct IoDone {
+pub struct IoDone<'b> {
     /// The op's buffer, handed back.
-    pub buf: IoBuf,
+    pub buf: IoBuf<'b>,
     /// Bytes transferred, or the error that stopped the op.
     pub result: io::Result<usize>,
 }
@@ -238,7 +256,7 @@ impl IoEngine {
     /// 1..=[`MAX_IN_FLIGHT`]) and returns one [`IoDone`] per op, in order.
     ///
     /// Never returns before the kernel is done with every buffer.
-    pub fn run_batch(&self, ops: Vec<IoOp<'_>>, in_flight: usize) -> Vec<IoDone> {
+    pub fn run_batch<'f>(&self, ops: Vec<IoOp<'f>>, in_flight: usize) -> Vec<IoDone<'f>> {
         self.run_batch_map(ops, in_flight, |_, _| ())
             .into_iter()
             .map(|(d, ())| d)
@@ -251,15 +269,15 @@ impl IoEngine {
     /// checksums without draining the device queue: the work overlaps I/O.
     /// `f` runs on the calling thread (io_uring) or on the worker that ran
     /// the op (thread pool).
-    pub fn run_batch_map<T, F>(
+    pub fn run_batch_map<'f, T, F>(
         &self,
-        ops: Vec<IoOp<'_>>,
+        ops: Vec<IoOp<'f>>,
         in_flight: usize,
         f: F,
-    ) -> Vec<(IoDone, T)>
+    ) -> Vec<(IoDone<'f>, T)>
     where
         T: Send,
-        F: Fn(usize, &IoDone) -> T + Sync,
+        F: Fn(usize, &IoDone<'f>) -> T + Sync,
     {
         let in_flight = in_flight.clamp(1, MAX_IN_FLIGHT);
         if ops.is_empty() {
@@ -286,7 +304,7 @@ impl IoEngine {
         &self,
         in_flight: usize,
         mut next: impl FnMut() -> Option<IoOp<'f>> + Send,
-        mut on_done: impl FnMut(usize, IoDone) + Send,
+        mut on_done: impl FnMut(usize, IoDone<'f>) + Send,
     ) {
         let in_flight = in_flight.clamp(1, MAX_IN_FLIGHT);
         match self.backend {
@@ -309,7 +327,12 @@ pub fn probe_uring() -> Result<(), String> {
 
 /// Turns a finished transfer into its result: reads may end short at end of
 /// file, writes may not.
-pub(crate) fn finish(kind: IoKind, mut buf: IoBuf, done: usize, err: Option<io::Error>) -> IoDone {
+pub(crate) fn finish(
+    kind: IoKind,
+    mut buf: IoBuf<'_>,
+    done: usize,
+    err: Option<io::Error>,
+) -> IoDone<'_> {
     let result = match err {
         Some(e) => Err(e),
         None if kind == IoKind::Read && buf.owned_mut().is_none() => Err(io::Error::new(

@@ -12,15 +12,19 @@ use crate::engine::{IoDone, IoKind, IoOp, finish};
 
 /// Runs `ops` with up to `in_flight` threads, calling `f` on each op as it
 /// completes (on the thread that ran it); results in submission order.
-pub(crate) fn run_batch_map<T, F>(ops: Vec<IoOp<'_>>, in_flight: usize, f: &F) -> Vec<(IoDone, T)>
+pub(crate) fn run_batch_map<'f, T, F>(
+    ops: Vec<IoOp<'f>>,
+    in_flight: usize,
+    f: &F,
+) -> Vec<(IoDone<'f>, T)>
 where
     T: Send,
-    F: Fn(usize, &IoDone) -> T + Sync,
+    F: Fn(usize, &IoDone<'f>) -> T + Sync,
 {
     let n = ops.len();
     let slots: Vec<Mutex<Option<IoOp<'_>>>> =
         ops.into_iter().map(|op| Mutex::new(Some(op))).collect();
-    let results: Vec<Mutex<Option<(IoDone, T)>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    let results: Vec<Mutex<Option<(IoDone<'f>, T)>>> = (0..n).map(|_| Mutex::new(None)).collect();
     let next = AtomicUsize::new(0);
     let work = || {
         loop {
@@ -55,7 +59,7 @@ where
 pub(crate) fn run_stream<'f>(
     in_flight: usize,
     next: &mut (dyn FnMut() -> Option<IoOp<'f>> + Send),
-    on_done: &mut (dyn FnMut(usize, IoDone) + Send),
+    on_done: &mut (dyn FnMut(usize, IoDone<'f>) + Send),
 ) {
     let source = Mutex::new((0usize, next));
     let sink = Mutex::new(on_done);
@@ -82,7 +86,7 @@ pub(crate) fn run_stream<'f>(
     });
 }
 
-fn run_one(op: IoOp<'_>) -> IoDone {
+fn run_one(op: IoOp<'_>) -> IoDone<'_> {
     let IoOp {
         kind,
         file,

@@ -77,16 +77,20 @@ fn with_ring<R>(f: impl FnOnce(&mut IoUring) -> R) -> Option<R> {
 
 /// Runs a batch on this thread's ring, calling `f` on each op as it
 /// completes, while the others are still in flight.
-pub(crate) fn run_batch_map<T, F>(ops: Vec<IoOp<'_>>, in_flight: usize, f: &F) -> Vec<(IoDone, T)>
+pub(crate) fn run_batch_map<'f, T, F>(
+    ops: Vec<IoOp<'f>>,
+    in_flight: usize,
+    f: &F,
+) -> Vec<(IoDone<'f>, T)>
 where
     T: Send,
-    F: Fn(usize, &IoDone) -> T + Sync,
+    F: Fn(usize, &IoDone<'f>) -> T + Sync,
 {
     let n = ops.len();
     let mut ops = Some(ops);
     let out = with_ring(|ring| {
         let mut it = ops.take().into_iter().flatten();
-        let mut results: Vec<Option<(IoDone, T)>> = (0..n).map(|_| None).collect();
+        let mut results: Vec<Option<(IoDone<'f>, T)>> = (0..n).map(|_| None).collect();
         drive(ring, in_flight, &mut || it.next(), &mut |i, d| {
             let t = f(i, &d);
             results[i] = Some((d, t));
@@ -107,7 +111,7 @@ where
 pub(crate) fn run_stream<'f>(
     in_flight: usize,
     next: &mut (dyn FnMut() -> Option<IoOp<'f>> + Send),
-    on_done: &mut (dyn FnMut(usize, IoDone) + Send),
+    on_done: &mut (dyn FnMut(usize, IoDone<'f>) + Send),
 ) {
     // The closures move into `with_ring` only by reference, so the
     // fallback below can still use them.
@@ -125,7 +129,7 @@ fn drive<'f>(
     ring: &mut IoUring,
     in_flight: usize,
     next: &mut dyn FnMut() -> Option<IoOp<'f>>,
-    on_done: &mut dyn FnMut(usize, IoDone),
+    on_done: &mut dyn FnMut(usize, IoDone<'f>),
 ) {
     // Ops the kernel may hold, by slot; the slot index is the user data.
     let mut slots: Vec<Option<Pending<'f>>> = Vec::new();

@@ -307,6 +307,82 @@ fn async_save_equals_sync_save_and_snapshots_before_returning() {
 }
 
 #[test]
+fn aligned_tensors_are_written_from_the_callers_memory_and_match_a_gathered_save() {
+    let opts = small_opts();
+    let ts = vec![
+        T::new("big.f32", Dtype::F32, &[50_001], 11), // 200 004 bytes: a 4 B tail
+        T::new("small", Dtype::U8, &[4000], 12),      // under an eighth of a chunk
+        T::new("exact.bf16", Dtype::Bf16, &[81_920], 13), // 163 840 bytes, 40 pages
+        T::new("mid", Dtype::U8, &[9000], 14),        // 8192 B body, chunk/8 = 8192
+    ];
+    // One page-aligned arena with every tensor at a 4 KiB-aligned address,
+    // and one where every tensor sits 64 bytes past a page boundary.
+    let place = |shift: usize| {
+        let mut offsets = Vec::new();
+        let mut at = 0usize;
+        for t in &ts {
+            offsets.push(at + shift);
+            at = (at + shift + t.data.len()).next_multiple_of(4096);
+        }
+        let mut arena = kvtier_io::AlignedBuf::zeroed(at, 4096).unwrap();
+        for (t, &o) in ts.iter().zip(&offsets) {
+            arena[o..o + t.data.len()].copy_from_slice(&t.data);
+        }
+        (arena, offsets)
+    };
+    let save_from = |dir: &Path, shift: usize| {
+        let (arena, offsets) = place(shift);
+        let refs: Vec<TensorRef<'_>> = ts
+            .iter()
+            .zip(&offsets)
+            .map(|(t, &o)| TensorRef::new(&t.name, t.dtype, &t.shape, &arena[o..o + t.data.len()]))
+            .collect();
+        checkpoint::save(dir, &refs, &opts).unwrap()
+    };
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    let aligned = save_from(a.path(), 0);
+    let shifted = save_from(b.path(), 64);
+
+    // Whole 4 KiB blocks of the tensors of at least an eighth of a chunk.
+    let bodies: u64 = [200_004u64, 163_840, 9000]
+        .iter()
+        .map(|n| n - n % 4096)
+        .sum();
+    assert_eq!(aligned.borrowed_bytes, bodies);
+    if shifted.direct {
+        assert_eq!(shifted.borrowed_bytes, 0, "O_DIRECT needs aligned memory");
+    } else {
+        assert_eq!(
+            shifted.borrowed_bytes, bodies,
+            "buffered writes borrow any memory"
+        );
+    }
+    for (fa, fb) in aligned.files.iter().zip(&shifted.files) {
+        assert!(
+            fs::read(fa).unwrap() == fs::read(fb).unwrap(),
+            "{fb:?} differs"
+        );
+    }
+    let ck = checkpoint::load(a.path()).unwrap();
+    assert_same(&ck, &ts);
+    for (entry, t) in ck.manifest().tensors.iter().zip(&ts) {
+        assert_eq!(entry.crc32c, crc32c::crc32c(&t.data), "{}", t.name);
+    }
+
+    // A kvtier checkpoint loaded by kvtier has its tensors page-aligned in
+    // memory, so saving it again borrows them too.
+    let c = tempfile::tempdir().unwrap();
+    let again: Vec<TensorRef<'_>> = ck
+        .tensors()
+        .map(|v| TensorRef::new(v.name, v.dtype, v.shape, v.data))
+        .collect();
+    let resaved = checkpoint::save(c.path(), &again, &opts).unwrap();
+    assert_eq!(resaved.borrowed_bytes, bodies);
+    assert_same(&checkpoint::load(c.path()).unwrap(), &ts);
+}
+
+#[test]
 fn bad_tensors_are_rejected_before_anything_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let good = T::new("w", Dtype::F32, &[4], 1);

@@ -11,6 +11,12 @@
 //!   where possible, fsync of every file, manifest committed by rename,
 //!   directory fsync). Durable and crash-consistent.
 //!
+//! The tensors live in one page-aligned allocation, each at a 4 KiB-aligned
+//! address (as in pinned staging buffers, or a kvtier checkpoint loaded by
+//! kvtier's loader), so the kvtier writer writes their bodies straight from
+//! memory; `--unaligned` shifts each by 64 bytes (as a general-purpose
+//! allocator places them), which makes it copy every byte.
+//!
 //! Both write into a fresh directory each time (removed after, untimed);
 //! the page cache is dropped and freed RAM left to settle (and the host
 //! below a virtual disk to flush the previous writes) before each save and
@@ -27,7 +33,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use kvtier_io::checkpoint::{SaveOptions, TensorRef, save};
 use kvtier_io::safetensors::{Dtype, TensorInfo};
-use kvtier_io::{DIRECT_IO_ALIGN, IoEngine, probe_direct};
+use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoEngine, probe_direct};
 use serde::Serialize;
 
 use crate::bench_dirs::RunDirs;
@@ -73,6 +79,9 @@ pub struct WriterReport {
     pub files: usize,
     /// True when the data was written with O_DIRECT.
     pub direct: bool,
+    /// Bytes the writer wrote straight from the tensors' memory, with no
+    /// copy (last save; always 0 for `naive`).
+    pub borrowed_bytes: u64,
 }
 
 /// The whole result; `device_write_limit_gbps`, `bytes` and `writers` are a
@@ -83,6 +92,9 @@ pub struct CheckpointBenchReport {
     pub device_write_limit_gbps: f64,
     /// Bytes of tensor data per save.
     pub bytes: u64,
+    /// Where the tensors start: `page-aligned`, or `64 bytes past a page`
+    /// (`--unaligned`).
+    pub tensor_memory: String,
     /// `naive` and `kvtier`.
     pub writers: Vec<WriterReport>,
     /// Every write-limit sample, in run order.
@@ -163,11 +175,12 @@ fn fsync_dir(dir: &Path) -> Result<()> {
         .with_context(|| format!("fsync of directory {}", dir.display()))
 }
 
-/// One naive save into `dir` (which exists): returns (files, file bytes).
+/// One naive save into `dir` (which exists) of `tensors` with bytes `data`
+/// (indexed alike): returns (files, file bytes).
 fn naive_save(
     dir: &Path,
     tensors: &[TensorInfo],
-    data: &[u8],
+    data: &[&[u8]],
     groups: &[Vec<usize>],
 ) -> Result<(usize, u64)> {
     let mut file_bytes = 0;
@@ -181,8 +194,7 @@ fn naive_save(
             .iter()
             .map(|&i| {
                 let t = &tensors[i];
-                let bytes = &data[t.data_offsets.0 as usize..t.data_offsets.1 as usize];
-                safetensors::tensor::TensorView::new(st_dtype(t.dtype), t.shape.clone(), bytes)
+                safetensors::tensor::TensorView::new(st_dtype(t.dtype), t.shape.clone(), data[i])
                     .map(|v| (t.name.clone(), v))
                     .map_err(|e| anyhow::anyhow!("tensor {}: {e}", t.name))
             })
@@ -219,7 +231,11 @@ struct Samples {
     files: usize,
     file_bytes: u64,
     direct: bool,
+    borrowed_bytes: u64,
 }
+
+/// Bytes past a page boundary of each tensor with `--unaligned`.
+const UNALIGNED_SHIFT: usize = 64;
 
 /// Runs the bench and prints its report (a table, or one JSON object).
 pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
@@ -276,22 +292,28 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
         quiet,
     );
     pb.set_message("generating tensors");
-    let len = usize::try_from(bytes).context("--bytes too large for this machine")?;
-    let mut data = Vec::new();
-    data.try_reserve_exact(len)
+    let shift = if args.unaligned { UNALIGNED_SHIFT } else { 0 };
+    // Each tensor at the next page boundary (plus `shift`).
+    let mut starts = Vec::with_capacity(tensors.len());
+    let mut arena_len = 0usize;
+    for t in &tensors {
+        let len = usize::try_from(t.data_offsets.1 - t.data_offsets.0)
+            .context("--bytes too large for this machine")?;
+        starts.push(arena_len + shift);
+        arena_len = (arena_len + shift + len).next_multiple_of(DIRECT_IO_ALIGN);
+    }
+    let mut arena = AlignedBuf::zeroed(arena_len, DIRECT_IO_ALIGN)
         .with_context(|| format!("cannot allocate {} of tensors", format_size(bytes)))?;
-    data.resize(len, 0u8);
-    fill_random(&mut data, 42);
+    fill_random(&mut arena, 42);
+    let data: Vec<&[u8]> = tensors
+        .iter()
+        .zip(&starts)
+        .map(|(t, &s)| &arena[s..s + (t.data_offsets.1 - t.data_offsets.0) as usize])
+        .collect();
     let refs: Vec<TensorRef<'_>> = tensors
         .iter()
-        .map(|t| {
-            TensorRef::new(
-                &t.name,
-                t.dtype,
-                &t.shape,
-                &data[t.data_offsets.0 as usize..t.data_offsets.1 as usize],
-            )
-        })
+        .zip(&data)
+        .map(|(t, d)| TensorRef::new(&t.name, t.dtype, &t.shape, d))
         .collect();
     let groups = group_shards(&tensors, args.shard_bytes);
     let patterns = random_write_patterns(limit_io as usize)?;
@@ -329,13 +351,18 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
             settle(args.settle_secs);
             pb.set_message(format!("{name} ({}/{repeats})", rep + 1));
             let t = Instant::now();
-            let (files, file_bytes, was_direct) = if *name == "naive" {
+            let (files, file_bytes, was_direct, borrowed) = if *name == "naive" {
                 let (f, b) = naive_save(&target, &tensors, &data, &groups)?;
-                (f, b, false)
+                (f, b, false, 0)
             } else {
                 let info = save(&target, &refs, &opts).context("kvtier checkpoint save")?;
                 direct_reason = info.direct_reason.clone();
-                (info.files.len(), info.bytes, info.direct)
+                (
+                    info.files.len(),
+                    info.bytes,
+                    info.direct,
+                    info.borrowed_bytes,
+                )
             };
             let secs = t.elapsed().as_secs_f64();
             pb.inc(bytes);
@@ -345,6 +372,7 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
             s.files = files;
             s.file_bytes = file_bytes;
             s.direct = was_direct;
+            s.borrowed_bytes = borrowed;
             std::fs::remove_dir_all(&target)
                 .with_context(|| format!("cannot remove {}", target.display()))?;
         }
@@ -377,12 +405,18 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
                 file_bytes: s.file_bytes,
                 files: s.files,
                 direct: s.direct,
+                borrowed_bytes: s.borrowed_bytes,
             }
         })
         .collect();
     let report = CheckpointBenchReport {
         device_write_limit_gbps: limit_gbps,
         bytes,
+        tensor_memory: if args.unaligned {
+            format!("{UNALIGNED_SHIFT} bytes past a page")
+        } else {
+            "page-aligned".to_string()
+        },
         writers,
         device_write_limit_samples_gbps: limits,
         write_limit_file_bytes: limit_bytes,
@@ -400,6 +434,8 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<()> {
         dir: work.display().to_string(),
     };
     drop(refs);
+    drop(data);
+    drop(arena);
     drop(run_dirs);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -428,6 +464,7 @@ pub fn render_table(r: &CheckpointBenchReport) -> String {
         r.repeat
     );
     let _ = writeln!(out, "dir:                {}", r.dir);
+    let _ = writeln!(out, "tensor memory:      each tensor {}", r.tensor_memory);
     let _ = writeln!(
         out,
         "page cache:         {}; then {} s settle before each save",
@@ -476,6 +513,14 @@ pub fn render_table(r: &CheckpointBenchReport) -> String {
             if w.crash_consistent { "yes" } else { "no" },
             if w.direct { "yes" } else { "no" },
             samples(&w.samples_gbps)
+        );
+    }
+    for w in r.writers.iter().filter(|w| w.name == "kvtier") {
+        let _ = writeln!(
+            out,
+            "kvtier wrote {} of the {} of tensors straight from their memory (no copy)",
+            format_size(w.borrowed_bytes),
+            format_size(r.bytes)
         );
     }
     let _ = writeln!(out);
@@ -527,8 +572,12 @@ mod tests {
         let tensors = &plan[0].tensors;
         let mut data = vec![0u8; plan[0].data_bytes() as usize];
         fill_random(&mut data, 1);
+        let slices: Vec<&[u8]> = tensors
+            .iter()
+            .map(|t| &data[t.data_offsets.0 as usize..t.data_offsets.1 as usize])
+            .collect();
         let groups = group_shards(tensors, 256 << 10);
-        let (files, bytes) = naive_save(dir.path(), tensors, &data, &groups).unwrap();
+        let (files, bytes) = naive_save(dir.path(), tensors, &slices, &groups).unwrap();
         assert_eq!(files, groups.len());
         assert!(bytes > data.len() as u64);
         let f = std::fs::read(

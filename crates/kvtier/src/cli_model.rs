@@ -226,6 +226,14 @@ pub struct CheckpointBenchArgs {
     #[arg(long, value_name = "SIZE", default_value = "16MiB", value_parser = io_bytes_arg)]
     pub limit_io_bytes: u64,
 
+    /// Place every tensor 64 bytes past a page boundary (as a general-purpose
+    /// allocator does) instead of at one (as pinned staging buffers and
+    /// kvtier-loaded checkpoints are), so the kvtier writer must copy every
+    /// byte into its aligned buffers instead of writing tensors from their
+    /// memory.
+    #[arg(long)]
+    pub unaligned: bool,
+
     /// Keep the bench directory instead of deleting it at the end.
     #[arg(long)]
     pub keep: bool,

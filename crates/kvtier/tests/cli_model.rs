@@ -149,6 +149,11 @@ fn checkpoint_bench_json_has_the_contract_fields() {
         assert_eq!(w["durable"].as_bool(), Some(true));
         assert!(w["files"].as_u64().unwrap() >= 2, "{w}");
     }
+    // Page-aligned tensors: kvtier writes nearly all of them from memory.
+    assert_eq!(v["tensor_memory"].as_str(), Some("page-aligned"));
+    assert_eq!(writers[0]["borrowed_bytes"].as_u64(), Some(0));
+    let borrowed = writers[1]["borrowed_bytes"].as_u64().unwrap();
+    assert!(borrowed > 8 << 20 && borrowed <= 16 << 20, "{borrowed}");
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
     assert!(left.is_empty(), "bench left files behind: {left:?}");
 }

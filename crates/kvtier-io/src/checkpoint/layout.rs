@@ -55,11 +55,14 @@ impl ShardLayout {
 pub(crate) struct Chunk {
     /// Shard index.
     pub shard: usize,
-    /// File offset (a multiple of the chunk size).
+    /// File offset (a multiple of [`TENSOR_ALIGN`]).
     pub offset: u64,
     /// Bytes (a multiple of [`TENSOR_ALIGN`]; the last chunk of a shard is
     /// padded past the file's end and the file truncated afterwards).
     pub len: usize,
+    /// The input tensor whose bytes alone fill this chunk, if one does: the
+    /// writer may then write it straight from the caller's memory.
+    pub tensor: Option<usize>,
 }
 
 /// The complete layout of one save.
@@ -208,19 +211,19 @@ pub(crate) fn plan(tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<Plan
         }
         let header = encode_header(&infos, &opts.metadata, DIRECT_IO_ALIGN)
             .map_err(|source| CheckpointError::Header { shard: s, source })?;
-        let file_len = header.len() as u64 + at;
-        let padded = file_len.next_multiple_of(TENSOR_ALIGN);
+        let data_start = header.len() as u64;
+        let file_len = data_start + at;
         let first_chunk = chunks.len();
-        let mut off = 0u64;
-        while off < padded {
-            let len = (padded - off).min(chunk_bytes as u64) as usize;
-            chunks.push(Chunk {
-                shard: s,
-                offset: off,
-                len,
-            });
-            off += len as u64;
-        }
+        split_chunks(
+            s,
+            members.iter().map(|&i| {
+                let p = placed[i];
+                (i, data_start + p.begin, data_start + p.end)
+            }),
+            file_len.next_multiple_of(TENSOR_ALIGN),
+            chunk_bytes,
+            &mut chunks,
+        );
         shards.push(ShardLayout {
             header,
             file_len,
@@ -235,6 +238,53 @@ pub(crate) fn plan(tensors: &[TensorRef<'_>], opts: &SaveOptions) -> Result<Plan
         chunks,
         chunk_bytes,
     })
+}
+
+/// Smallest tensor body, as a fraction of the chunk size, that gets chunks
+/// of its own (written from the caller's memory when it is aligned); the
+/// bytes of smaller tensors are gathered into shared chunks, so that a
+/// model with many small tensors is not written with many small writes.
+const OWN_CHUNKS_DIVISOR: u64 = 8;
+
+/// Splits one shard image of `padded` bytes into chunks of at most
+/// `chunk_bytes`. `members` gives each tensor's input index and file range,
+/// in file order. A large tensor's aligned body, from its first byte to its
+/// last whole [`TENSOR_ALIGN`] block, gets chunks of its own (marked with
+/// [`Chunk::tensor`]); everything else (the header, small tensors, the
+/// partial block at a tensor's end, padding) goes into gathered chunks.
+fn split_chunks(
+    shard: usize,
+    members: impl Iterator<Item = (usize, u64, u64)>,
+    padded: u64,
+    chunk_bytes: usize,
+    out: &mut Vec<Chunk>,
+) {
+    let step = chunk_bytes as u64;
+    let mut push = |from: u64, to: u64, tensor: Option<usize>| {
+        let mut off = from;
+        while off < to {
+            let len = (to - off).min(step);
+            out.push(Chunk {
+                shard,
+                offset: off,
+                len: len as usize,
+                tensor,
+            });
+            off += len;
+        }
+    };
+    // Start of the bytes not yet in a chunk (always aligned).
+    let mut gathered_from = 0u64;
+    for (i, begin, end) in members {
+        let body_end = end - end % TENSOR_ALIGN;
+        if body_end <= begin || body_end - begin < (step / OWN_CHUNKS_DIVISOR).max(TENSOR_ALIGN) {
+            continue;
+        }
+        push(gathered_from, begin, None);
+        push(begin, body_end, Some(i));
+        gathered_from = body_end;
+    }
+    push(gathered_from, padded, None);
 }
 
 fn validate_options(opts: &SaveOptions) -> Result<(), CheckpointError> {
@@ -329,14 +379,31 @@ mod tests {
             }
         );
         assert_eq!(p.shards[1].data_start() % TENSOR_ALIGN, 0);
-        // A single 20 000-byte tensor: data starts at 4096, chunks of 8192.
-        let lens: Vec<usize> = p
+        // A single 20 000-byte tensor: data starts at 4096; its body (16 384
+        // bytes) gets chunks of its own, the last 3616 bytes go with the
+        // padding. The header chunk ends where the tensor starts.
+        let chunks: Vec<(u64, usize, Option<usize>)> = p
             .chunks
             .iter()
             .filter(|c| c.shard == 1)
-            .map(|c| c.len)
+            .map(|c| (c.offset, c.len, c.tensor))
             .collect();
-        assert_eq!(lens, vec![8192, 8192, 8192]);
+        assert_eq!(
+            chunks,
+            vec![
+                (0, 4096, None),
+                (4096, 8192, Some(1)),
+                (12_288, 8192, Some(1)),
+                (20_480, 4096, None)
+            ]
+        );
+        // The 10-byte tensor is too small for chunks of its own.
+        assert!(
+            p.chunks
+                .iter()
+                .filter(|c| c.shard == 0)
+                .all(|c| c.tensor.is_none())
+        );
     }
 
     #[test]
@@ -401,6 +468,15 @@ mod tests {
                 for c in &p.chunks[sl.first_chunk..sl.first_chunk + sl.n_chunks] {
                     prop_assert_eq!(c.shard, s);
                     prop_assert_eq!(c.offset as usize, image.len());
+                    prop_assert!(c.len > 0 && c.len <= p.chunk_bytes);
+                    prop_assert_eq!(c.offset % TENSOR_ALIGN, 0);
+                    prop_assert_eq!(c.len as u64 % TENSOR_ALIGN, 0);
+                    if let Some(i) = c.tensor {
+                        // A tensor's own chunk lies wholly inside it.
+                        let (a, b) = p.file_range(i);
+                        prop_assert_eq!(p.placed[i].shard, s);
+                        prop_assert!(a <= c.offset && c.offset + c.len as u64 <= b);
+                    }
                     let mut buf = vec![0xAAu8; c.len];
                     p.fill(s, c.offset, &mut buf, &data);
                     image.extend_from_slice(&buf);

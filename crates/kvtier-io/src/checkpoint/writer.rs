@@ -5,17 +5,17 @@ use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use super::dirs::{self, DirLock, shard_file_name};
-use super::layout::{self, Plan};
+use super::layout::{self, Chunk, Plan};
 use super::manifest::{self, MANIFEST_FORMAT, MANIFEST_VERSION, Manifest, ShardEntry, TensorEntry};
 use super::{CheckpointError, CheckpointInfo, MANIFEST_TMP, SaveOptions, TensorRef};
 use crate::buffer::{AlignedBuf, DIRECT_IO_ALIGN};
 use crate::direct::{DirectProbe, open_direct, probe_direct};
-use crate::engine::IoOp;
+use crate::engine::{IoBuf, IoKind, IoOp};
 use crate::safetensors::Dtype;
 
 /// Name, dtype and shape of one tensor, owned (the manifest outlives the
@@ -146,7 +146,8 @@ pub(crate) fn commit(
         }
     };
 
-    let crcs = write_shards(&paths, plan, &source, probe.direct, opts).map_err(abandon)?;
+    let (crcs, borrowed_bytes) =
+        write_shards(&paths, plan, &source, probe.direct, opts).map_err(abandon)?;
     // Written and durable: an asynchronous save's snapshot can go now.
     drop(source);
     dirs::fsync_dir(dir).map_err(abandon)?;
@@ -182,6 +183,7 @@ pub(crate) fn commit(
         snapshot_seconds,
         direct: probe.direct,
         direct_reason: probe.reason,
+        borrowed_bytes,
     };
     tracing::info!(
         "checkpoint generation {} committed in {}: {} bytes in {} file(s), {:.3} s, {}",
@@ -250,14 +252,14 @@ fn build_manifest(
 
 /// Creates the shard files, writes them, truncates each to its exact
 /// length and fsyncs it. Returns the tensors' crc32c values (computed
-/// while the writes run).
+/// while the writes run) and the bytes written from the caller's memory.
 fn write_shards(
     paths: &[PathBuf],
     plan: &Plan,
     source: &Source<'_>,
     direct: bool,
     opts: &SaveOptions,
-) -> Result<Vec<u32>, CheckpointError> {
+) -> Result<(Vec<u32>, u64), CheckpointError> {
     let mut files = Vec::with_capacity(paths.len());
     for (path, shard) in paths.iter().zip(&plan.shards) {
         let file = open_direct(path, true, direct)
@@ -274,15 +276,16 @@ fn write_shards(
     }
 
     let written = match source {
-        Source::Borrowed(data) => write_gathered(&files, plan, data, opts),
+        Source::Borrowed(data) => write_gathered(&files, plan, data, direct, opts),
         Source::Snapshot(bufs) => std::thread::scope(|s| {
             let crc = s.spawn(|| snapshot_crcs(plan, bufs));
             let written = write_snapshot(&files, plan, bufs, opts);
             let crcs = crc.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-            written.map(|()| crcs)
+            written.map(|()| (crcs, 0))
         }),
     };
-    let crcs = written.map_err(|(shard, e)| CheckpointError::io("write", &paths[shard], e))?;
+    let (crcs, borrowed) =
+        written.map_err(|(shard, e)| CheckpointError::io("write", &paths[shard], e))?;
 
     // Exact lengths, then durability, a few files at a time.
     let next = AtomicUsize::new(0);
@@ -315,7 +318,7 @@ fn write_shards(
     });
     match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
         Some(e) => Err(e),
-        None => Ok(crcs),
+        None => Ok((crcs, borrowed)),
     }
 }
 
@@ -366,27 +369,36 @@ fn snapshot_crcs(plan: &Plan, bufs: &[Arc<AlignedBuf>]) -> Vec<u32> {
 
 type WriteFailure = (usize, io::Error);
 
-/// Synchronous save: `threads` filler threads gather chunks into aligned
-/// buffers while one engine stream keeps `in_flight` chunk writes
-/// outstanding; each buffer goes back to the fillers as soon as its write
-/// completes. At most `in_flight + threads` chunk buffers exist. Returns
-/// the tensors' crc32c values, computed by the fillers on each piece right
-/// after copying it (so the tensor bytes are read from memory once).
+/// Synchronous save: `threads` filler threads prepare chunks while one
+/// engine stream keeps `in_flight` chunk writes outstanding. A chunk that a
+/// single tensor fills ([`Chunk::tensor`](super::layout::Chunk)) whose
+/// bytes sit at an address the device can read from directly is written
+/// straight from the caller's memory; every other chunk is gathered into an
+/// aligned buffer, which goes back to the fillers as soon as its write
+/// completes (at most `in_flight + threads` chunk buffers exist). Returns
+/// the tensors' crc32c values, computed by the fillers on each piece (a
+/// gathered one right after copying it, so tensor bytes are read from
+/// memory once; a borrowed one while its write is in flight) and the bytes
+/// written from the caller's memory.
 ///
 /// Why this shape (measured on the reference VM, docs/benchmarks.md):
 /// gathering a group of chunks and then waiting for the whole group let the
 /// device queue drain between groups, and gathering on the submitting
 /// thread alone made the copy the limit (0.72-0.84 of the device write
-/// limit, against 1.0 with the copy left out).
-fn write_gathered(
-    files: &[File],
+/// limit, against 1.0 with the copy left out). Even spread over filler
+/// threads, the copy kept a save CPU-bound whenever the VM's CPUs were
+/// slow (0.59-0.94 of the limit from run to run); writing aligned tensors
+/// without the copy removes it.
+fn write_gathered<'a>(
+    files: &'a [File],
     plan: &Plan,
-    data: &[&[u8]],
+    data: &[&'a [u8]],
+    direct: bool,
     opts: &SaveOptions,
-) -> Result<Vec<u32>, WriteFailure> {
+) -> Result<(Vec<u32>, u64), WriteFailure> {
     let n = plan.chunks.len();
     if n == 0 {
-        return Ok(vec![0; plan.placed.len()]);
+        return Ok((vec![0; plan.placed.len()], 0));
     }
     // Per chunk, the crc32c of each tensor piece it holds: (tensor, crc, len).
     let partials: Vec<Mutex<Vec<(usize, u32, usize)>>> =
@@ -394,6 +406,7 @@ fn write_gathered(
     let fillers = opts.threads.clamp(1, n);
     let pool = BufPool::new(opts.in_flight + fillers);
     let next_chunk = AtomicUsize::new(0);
+    let borrowed = AtomicU64::new(0);
     let abort = AtomicBool::new(false);
     let failed: Mutex<Option<WriteFailure>> = Mutex::new(None);
     let fail = |f: WriteFailure| {
@@ -405,32 +418,36 @@ fn write_gathered(
     };
     // The chunk index of each op, by stream position, to name a failure.
     let order: Mutex<Vec<usize>> = Mutex::new(Vec::with_capacity(n));
-    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, AlignedBuf)>(opts.in_flight + fillers);
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, IoBuf<'a>)>(opts.in_flight + fillers);
     std::thread::scope(|s| {
         for _ in 0..fillers {
             let tx = tx.clone();
             let (pool, next_chunk, abort, fail) = (&pool, &next_chunk, &abort, &fail);
+            let borrowed = &borrowed;
             let partials = &partials;
             s.spawn(move || {
                 while !abort.load(Ordering::Relaxed) {
-                    // A buffer first, then a chunk: a claimed chunk is always sent.
+                    let k = next_chunk.fetch_add(1, Ordering::Relaxed);
+                    let Some(c) = plan.chunks.get(k) else {
+                        break;
+                    };
+                    if let Some((i, src)) = borrowable(plan, c, data, direct) {
+                        if tx.send((k, IoBuf::Borrowed(src))).is_err() {
+                            break;
+                        }
+                        *partials[k].lock().unwrap_or_else(|p| p.into_inner()) =
+                            vec![(i, crc32c::crc32c(src), src.len())];
+                        borrowed.fetch_add(src.len() as u64, Ordering::Relaxed);
+                        continue;
+                    }
                     let mut buf = match pool.take(|| {
                         AlignedBuf::zeroed_in(&opts.allocator, plan.chunk_bytes, DIRECT_IO_ALIGN)
                     }) {
                         Ok(b) => b,
                         Err(e) => {
-                            let shard = plan.chunks.get(next_chunk.load(Ordering::Relaxed));
-                            fail((
-                                shard.map_or(0, |c| c.shard),
-                                io::Error::new(io::ErrorKind::OutOfMemory, e),
-                            ));
+                            fail((c.shard, io::Error::new(io::ErrorKind::OutOfMemory, e)));
                             break;
                         }
-                    };
-                    let k = next_chunk.fetch_add(1, Ordering::Relaxed);
-                    let Some(c) = plan.chunks.get(k) else {
-                        pool.put(buf);
-                        break;
                     };
                     buf.set_len(c.len);
                     let mut parts: Vec<(usize, u32, usize)> = Vec::new();
@@ -444,7 +461,7 @@ fn write_gathered(
                         }
                     });
                     *partials[k].lock().unwrap_or_else(|p| p.into_inner()) = parts;
-                    if tx.send((k, buf)).is_err() {
+                    if tx.send((k, IoBuf::Owned(buf))).is_err() {
                         break;
                     }
                 }
@@ -459,7 +476,12 @@ fn write_gathered(
                 let (k, buf) = rx.recv().ok()?;
                 let c = &plan.chunks[k];
                 order.lock().unwrap_or_else(|p| p.into_inner()).push(k);
-                Some(IoOp::write(&files[c.shard], c.offset, buf))
+                Some(IoOp {
+                    kind: IoKind::Write,
+                    file: &files[c.shard],
+                    offset: c.offset,
+                    buf,
+                })
             },
             |i, done| {
                 if let Err(e) = done.result {
@@ -488,7 +510,23 @@ fn write_gathered(
             begun[i] = true;
         }
     }
-    Ok(crcs)
+    Ok((crcs, borrowed.into_inner()))
+}
+
+/// The caller's bytes for chunk `c`, when one tensor fills it and (with
+/// `O_DIRECT`) they start at an address the device can read from: input
+/// index and slice.
+fn borrowable<'a>(
+    plan: &Plan,
+    c: &Chunk,
+    data: &[&'a [u8]],
+    direct: bool,
+) -> Option<(usize, &'a [u8])> {
+    let i = c.tensor?;
+    let (start, _) = plan.file_range(i);
+    let from = usize::try_from(c.offset.checked_sub(start)?).ok()?;
+    let src = data.get(i)?.get(from..from.checked_add(c.len)?)?;
+    (!direct || (src.as_ptr() as usize).is_multiple_of(DIRECT_IO_ALIGN)).then_some((i, src))
 }
 
 /// Chunk buffers shared by the fillers and the write stream: at most `cap`
