@@ -126,19 +126,6 @@ impl<'f> IoOp<'f> {
             buf: IoBuf::Shared(buf),
         }
     }
-
-    /// A write straight from the caller's memory (no copy; the kernel only
-    /// reads it). With `O_DIRECT`, `data` must start at an address aligned
-    /// for the file (see [`IoBuf::Borrowed`]) and be a whole number of
-    /// sectors long.
-    pub fn write_borrowed(file: &'f File, offset: u64, data: &'f [u8]) -> Self {
-        Self {
-            kind: IoKind::Write,
-            file,
-            offset,
-            buf: IoBuf::Borrowed(data),
-        }
-    }
 }
 
 /// A finished I/O: its buffer back, and the bytes moved or the error.
