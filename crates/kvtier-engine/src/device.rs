@@ -8,6 +8,19 @@ use candle_core::Device;
 
 use crate::EngineError;
 
+/// The CUDA stream candle queues `device`'s work on, for loading weights
+/// into its memory with `kvtier_io::loader::staged::CudaSink::on_stream`
+/// (copies then come before any kernel that reads them); `None` on CPU.
+#[cfg(feature = "cuda")]
+pub fn cuda_stream(
+    device: &Device,
+) -> Option<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>> {
+    match device {
+        Device::Cuda(d) => Some(d.cuda_stream()),
+        _ => None,
+    }
+}
+
 /// Opens the device named `cpu`, `cuda` (ordinal 0) or `cuda:N`.
 pub fn open_device(name: &str) -> Result<Device, EngineError> {
     let bad = |msg: String| EngineError::Device {

@@ -25,6 +25,8 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use config::ModelConfig;
+#[cfg(feature = "cuda")]
+pub use device::cuda_stream;
 pub use device::open_device;
 pub use engine::{CachedTokens, Engine, EngineOptions, Prefill, SeqId, StoreOptions};
 pub use error::EngineError;

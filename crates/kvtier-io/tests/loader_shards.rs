@@ -7,17 +7,18 @@
 #![allow(clippy::unwrap_used)]
 
 use std::alloc::Layout;
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+mod common;
+
+use common::{engines, write_shard};
 use kvtier_io::loader::{LoadError, LoadedShard, LoaderConfig, load_shards};
 use kvtier_io::safetensors::SafetensorsError;
-use kvtier_io::{Backend, EngineConfig, HostAllocator, IoEngine, probe_direct, system_allocator};
+use kvtier_io::{HostAllocator, IoEngine, probe_direct, system_allocator};
 use safetensors::SafeTensors;
-use safetensors::tensor::TensorView as RefView;
 
 /// Counts allocations, delegating to the system allocator.
 #[derive(Debug, Default)]
@@ -40,43 +41,6 @@ unsafe impl HostAllocator for Counting {
     fn name(&self) -> &'static str {
         "counting"
     }
-}
-
-fn engines() -> Vec<IoEngine> {
-    [Backend::ThreadPool, Backend::IoUring]
-        .into_iter()
-        .map(|b| IoEngine::new(EngineConfig { backend: Some(b) }))
-        .collect()
-}
-
-/// Writes a shard with the reference crate; returns its path.
-fn write_shard(path: &Path, seed: usize, count: usize) -> PathBuf {
-    let datas: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = (0..count)
-        .map(|i| {
-            let (dtype, width) = match i % 3 {
-                0 => (safetensors::Dtype::F32, 4),
-                1 => (safetensors::Dtype::BF16, 2),
-                _ => (safetensors::Dtype::U8, 1),
-            };
-            let shape = vec![7 + i, 1001 + seed];
-            let n = shape.iter().product::<usize>() * width;
-            let data = (0..n)
-                .map(|k| ((k * 31 + i * 7 + seed * 3) % 251) as u8)
-                .collect();
-            (format!("s{seed}.t{i}"), dtype, shape, data)
-        })
-        .collect();
-    let views: Vec<(String, RefView<'_>)> = datas
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), RefView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::serialize_to_file(
-        views,
-        Some(HashMap::from([("seed".into(), seed.to_string())])),
-        path,
-    )
-    .unwrap();
-    path.to_path_buf()
 }
 
 /// Every tensor of `shard` equals the reference crate's reading of its file.

@@ -57,6 +57,18 @@ pub struct ModelLoadArgs {
     #[arg(long)]
     pub json: bool,
 
+    /// Where the weights go: `cpu` (host memory, reads land in place) or
+    /// `cuda`/`cuda:N` (GPU memory, through a ring of pinned staging
+    /// buffers with copies overlapped with the reads; needs a build with
+    /// `--features cuda`).
+    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    pub device: String,
+
+    /// Pinned staging buffers of a GPU load (each `--chunk-bytes`).
+    #[arg(long, value_name = "N", default_value_t = kvtier_io::loader::staged::DEFAULT_RING as u16,
+          value_parser = clap::value_parser!(u16).range(2..=1024))]
+    pub staging_buffers: u16,
+
     /// How to read.
     #[command(flatten)]
     pub loader: LoaderFlags,

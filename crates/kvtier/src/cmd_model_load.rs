@@ -5,6 +5,9 @@
 //! callback, so the progress bar follows the bytes this process has read
 //! from storage (`read_bytes` in `/proc/self/io`, which counts O_DIRECT and
 //! io_uring reads too); a load served from the page cache jumps to the end.
+//!
+//! `--device cuda:N` (a `cuda` build) loads into GPU memory instead, through
+//! the loader's ring of pinned staging buffers (`kvtier_io::loader::staged`).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -13,7 +16,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use indicatif::ProgressBar;
-use kvtier_io::loader::{LoadStats, load_model_dir};
+use kvtier_io::loader::{LoadStats, LoaderConfig, load_model_dir};
 use kvtier_io::safetensors::read_header;
 use serde::Serialize;
 
@@ -46,6 +49,58 @@ pub struct LoadReport {
     pub chunk_bytes: u64,
     /// Reads in flight.
     pub in_flight: u32,
+    /// Where the weights went: `cpu` or `cuda:N`.
+    pub device: String,
+    /// Pinned staging buffers used (GPU loads only).
+    pub staging_buffers: Option<usize>,
+    /// Most host-to-device copies queued at once while reads ran (GPU
+    /// loads only).
+    pub max_queued_copies: Option<usize>,
+}
+
+/// What one load did, whichever the destination.
+struct Loaded {
+    stats: LoadStats,
+    tensors: usize,
+    staging_buffers: Option<usize>,
+    max_queued_copies: Option<usize>,
+}
+
+/// Loads into host memory: reads land in place.
+fn load_host(dir: &Path, cfg: &LoaderConfig) -> Result<Loaded> {
+    let (shards, stats) = load_model_dir(dir, cfg)?;
+    Ok(Loaded {
+        stats,
+        tensors: shards.iter().map(|s| s.len()).sum(),
+        staging_buffers: None,
+        max_queued_copies: None,
+    })
+}
+
+/// Loads into the memory of GPU `device` through `ring` pinned staging
+/// buffers, on the stream candle would use for it.
+#[cfg(feature = "cuda")]
+fn load_gpu(dir: &Path, cfg: &LoaderConfig, device: &str, ring: usize) -> Result<Loaded> {
+    use kvtier_io::loader::staged::{CudaSink, load_model_dir_staged};
+    let dev = kvtier_engine::open_device(device)?;
+    let Some(stream) = kvtier_engine::cuda_stream(&dev) else {
+        bail!("--device {device} is not a GPU");
+    };
+    let load = load_model_dir_staged(dir, cfg, ring, CudaSink::on_stream(stream))?;
+    Ok(Loaded {
+        tensors: load.shards.iter().map(|s| s.header().tensors.len()).sum(),
+        staging_buffers: Some(load.stats.staging_buffers),
+        max_queued_copies: Some(load.stats.max_queued_copies),
+        stats: load.stats.load,
+    })
+}
+
+/// Without the `cuda` feature there is no GPU to load into: the device
+/// name is checked, and the error says how to build with it.
+#[cfg(not(feature = "cuda"))]
+fn load_gpu(_dir: &Path, _cfg: &LoaderConfig, device: &str, _ring: usize) -> Result<Loaded> {
+    kvtier_engine::open_device(device)?;
+    bail!("--device {device} is not a GPU")
 }
 
 /// Bytes this process has read from storage so far (`None` when
@@ -107,17 +162,27 @@ pub fn run(args: &ModelLoadArgs) -> Result<()> {
         let (pb, stop) = (pb.clone(), stop.clone());
         std::thread::spawn(move || follow_reads(pb, total, stop))
     };
-    let loaded = load_model_dir(&args.dir, &cfg);
+    let loaded = if args.device == "cpu" {
+        load_host(&args.dir, &cfg)
+    } else {
+        load_gpu(
+            &args.dir,
+            &cfg,
+            &args.device,
+            usize::from(args.staging_buffers),
+        )
+    };
     stop.store(true, Ordering::Relaxed);
     let _ = follower.join();
     pb.finish_and_clear();
-    let (shards, stats): (_, LoadStats) =
+    let loaded =
         loaded.with_context(|| format!("cannot load the model in {}", args.dir.display()))?;
+    let stats = &loaded.stats;
     let report = LoadReport {
         dir: args.dir.display().to_string(),
         bytes: stats.bytes,
         shards: stats.shards,
-        tensors: shards.iter().map(|s| s.len()).sum(),
+        tensors: loaded.tensors,
         seconds: stats.seconds,
         gbps: stats.gbps(),
         direct: stats.direct,
@@ -125,14 +190,17 @@ pub fn run(args: &ModelLoadArgs) -> Result<()> {
         io_backend: stats.io_backend.to_string(),
         chunk_bytes: cfg.chunk_bytes as u64,
         in_flight: cfg.in_flight as u32,
+        device: args.device.clone(),
+        staging_buffers: loaded.staging_buffers,
+        max_queued_copies: loaded.max_queued_copies,
     };
-    drop(shards);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         println!(
-            "loaded {}: {} in {} shard(s), {} tensors, {:.2} s, {:.2} GB/s",
+            "loaded {} into {}: {} in {} shard(s), {} tensors, {:.2} s, {:.2} GB/s",
             report.dir,
+            report.device,
             format_size(report.bytes),
             report.shards,
             report.tensors,
@@ -156,6 +224,9 @@ pub fn run(args: &ModelLoadArgs) -> Result<()> {
             format_size(report.chunk_bytes),
             report.in_flight
         );
+        if let (Some(n), Some(q)) = (report.staging_buffers, report.max_queued_copies) {
+            println!("staging: {n} pinned buffers, up to {q} copies queued while reads ran");
+        }
     }
     Ok(())
 }

@@ -47,6 +47,8 @@ fn synth_then_load_reports_the_model() {
     assert!(v["gbps"].as_f64().unwrap() > 0.0);
     assert!(v["direct"].is_boolean());
     assert!(v["io_backend"].is_string());
+    assert_eq!(v["device"].as_str(), Some("cpu"));
+    assert!(v["staging_buffers"].is_null());
 
     // Buffered on request, with the reason.
     let v = json(&run(&["model", "load", "--json", "--buffered"], &model));
@@ -224,5 +226,27 @@ fn bad_flags_are_rejected() {
         let out = run(args, tmp.path());
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(!stderr(&out).is_empty());
+    }
+}
+
+#[test]
+fn load_to_a_device_this_build_lacks_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    synth(&model);
+    let out = run(&["model", "load", "--device", "gpu"], &model);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("expected cpu, cuda or cuda:N"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run(&["model", "load", "--staging-buffers", "1"], &model);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("staging-buffers"), "{}", stderr(&out));
+    if !cfg!(feature = "cuda") {
+        let out = run(&["model", "load", "--device", "cuda:0"], &model);
+        assert!(!out.status.success());
+        assert!(stderr(&out).contains("--features cuda"), "{}", stderr(&out));
     }
 }

@@ -65,6 +65,14 @@ pub enum LoadError {
     /// The shard buffer could not be allocated.
     #[error("cannot allocate a shard buffer: {0}")]
     Alloc(#[from] AllocError),
+    /// The device a staged load copies into failed.
+    #[error("{device}: {msg}")]
+    Device {
+        /// The device, e.g. "cuda:0".
+        device: String,
+        /// What failed.
+        msg: String,
+    },
     /// The [`LoaderConfig`](super::LoaderConfig) is unusable.
     #[error("invalid loader config: {0}")]
     BadConfig(String),

@@ -8,7 +8,7 @@ use std::path::{Component, Path, PathBuf};
 use serde::Deserialize;
 
 use super::error::LoadError;
-use super::shard::LoadedShard;
+use crate::safetensors::Header;
 
 /// The sharded-model index file name.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -74,13 +74,17 @@ impl ModelIndex {
     }
 
     /// Checks that every tensor the index names is in the shard it names.
-    pub(crate) fn check(&self, dir: &Path, shards: &[LoadedShard]) -> Result<(), LoadError> {
+    pub(crate) fn check<'a>(
+        &self,
+        dir: &Path,
+        shards: impl Iterator<Item = (&'a Path, &'a Header)> + Clone,
+    ) -> Result<(), LoadError> {
         for (tensor, shard) in &self.weight_map {
             let path = dir.join(shard);
             let holds = shards
-                .iter()
-                .find(|s| s.path() == path)
-                .is_some_and(|s| s.tensor(tensor).is_some());
+                .clone()
+                .find(|(p, _)| *p == path)
+                .is_some_and(|(_, h)| h.get(tensor).is_some());
             if !holds {
                 return Err(LoadError::TensorNotInShard {
                     index: self.path.clone(),

@@ -16,12 +16,17 @@
 //!
 //! Tensors are [`TensorView`]s borrowing their shard's buffer: the buffer
 //! cannot be freed or reused while any view of it is alive.
+//!
+//! For a destination that is not host memory (a GPU), [`staged`] reads the
+//! same chunks into a bounded ring of staging buffers and copies each one to
+//! the device while the next reads run.
 
 mod error;
 mod index;
 mod prefault;
 mod read;
 mod shard;
+pub mod staged;
 mod window;
 
 use std::path::{Path, PathBuf};
@@ -123,12 +128,7 @@ pub fn load_shards(
         .collect::<Result<Vec<_>, _>>()?;
     let mut bufs = Vec::with_capacity(opened.len());
     for shard in &opened {
-        let len = usize::try_from(shard.len).map_err(|_| {
-            LoadError::BadConfig(format!(
-                "{}: too large for this platform",
-                shard.path.display()
-            ))
-        })?;
+        let len = read::shard_len(shard)?;
         bufs.push(AlignedBuf::zeroed_in(alloc, len, DIRECT_IO_ALIGN)?);
     }
     read::read_shards(&opened, &mut bufs, cfg, engine)?;
@@ -161,7 +161,7 @@ pub fn load_model_dir(
     let paths = model_shards(dir)?;
     let (shards, stats) = load_shards(&paths, cfg, IoEngine::shared(), &system_allocator())?;
     if let Some(index) = index::ModelIndex::read(dir)? {
-        index.check(dir, &shards)?;
+        index.check(dir, shards.iter().map(|s| (s.path(), s.header())))?;
     }
     Ok((shards, stats))
 }

@@ -189,23 +189,54 @@ pub(crate) fn read_shards(
     let mut first_err = None;
     for (d, c) in done.into_iter().zip(&plan) {
         let shard = &shards[c.shard];
-        let want = (shard.len - c.offset as u64).min(c.len as u64);
-        let err = match d.result {
-            Err(source) => Some(LoadError::Io {
-                path: shard.path.clone(),
-                source,
-            }),
-            Ok(got) if got as u64 != want => Some(LoadError::Changed {
-                path: shard.path.clone(),
-                msg: format!("read {got} bytes at offset {}, expected {want}", c.offset),
-            }),
-            Ok(_) => None,
-        };
-        if first_err.is_none() {
-            first_err = err;
+        let want = (shard.len - c.offset as u64).min(c.len as u64) as usize;
+        if let (Err(e), None) = (check_read(shard, c.offset, want, d.result), &first_err) {
+            first_err = Some(e);
         }
     }
     first_err.map_or(Ok(()), Err)
+}
+
+/// Checks one chunk read's outcome: `want` bytes read at `offset`.
+pub(crate) fn check_read(
+    shard: &OpenShard,
+    offset: usize,
+    want: usize,
+    result: io::Result<usize>,
+) -> Result<(), LoadError> {
+    match result {
+        Err(source) => Err(LoadError::Io {
+            path: shard.path.clone(),
+            source,
+        }),
+        Ok(got) if got != want => Err(LoadError::Changed {
+            path: shard.path.clone(),
+            msg: format!("read {got} bytes at offset {offset}, expected {want}"),
+        }),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// The shard's length as a buffer size.
+pub(crate) fn shard_len(shard: &OpenShard) -> Result<usize, LoadError> {
+    usize::try_from(shard.len).map_err(|_| {
+        LoadError::BadConfig(format!(
+            "{}: too large for this platform",
+            shard.path.display()
+        ))
+    })
+}
+
+/// Checks that the file's length is still the one validated.
+pub(crate) fn check_unchanged(shard: &OpenShard) -> Result<(), LoadError> {
+    let now = shard.file.metadata().map_err(io_err(&shard.path))?.len();
+    if now != shard.len {
+        return Err(LoadError::Changed {
+            path: shard.path.clone(),
+            msg: format!("length was {}, is now {now}", shard.len),
+        });
+    }
+    Ok(())
 }
 
 /// Checks that what was read is what was validated: the header bytes
@@ -218,9 +249,5 @@ pub(crate) fn verify(shard: &OpenShard, buf: &AlignedBuf) -> Result<(), LoadErro
     if buf.get(..shard.prefix.len()) != Some(&shard.prefix[..]) {
         return Err(changed("the header differs from the one validated".into()));
     }
-    let now = shard.file.metadata().map_err(io_err(&shard.path))?.len();
-    if now != shard.len {
-        return Err(changed(format!("length was {}, is now {now}", shard.len)));
-    }
-    Ok(())
+    check_unchanged(shard)
 }
