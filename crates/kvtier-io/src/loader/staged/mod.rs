@@ -17,7 +17,7 @@
 //! (the device is in an unknown state) is leaked, never reused or freed
 //! under a copy that may still read it.
 //!
-//! The ring is generic over a [`DeviceSink`]: [`CudaSink`] (feature `cuda`)
+//! The ring is generic over a [`DeviceSink`]: `CudaSink` (feature `cuda`)
 //! copies into GPU memory; [`ThreadCopySink`] copies into host memory on a
 //! copy thread, which is how the ring's ordering and lifetimes are tested on
 //! machines without a GPU.

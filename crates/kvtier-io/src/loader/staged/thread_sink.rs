@@ -33,6 +33,8 @@ struct Progress {
 /// Copies into host memory on a copy thread, in queue order.
 #[derive(Debug)]
 pub struct ThreadCopySink {
+    /// Where destination memory comes from.
+    memory: Arc<dyn HostAllocator>,
     jobs: Option<Sender<Job>>,
     progress: Arc<Progress>,
     queued: u64,
@@ -107,11 +109,21 @@ impl ThreadCopySink {
                 p.changed.notify_all();
             })?;
         Ok(Self {
+            memory: system_allocator(),
             jobs: Some(tx),
             progress,
             queued: 0,
             worker: Some(worker),
         })
+    }
+}
+
+impl ThreadCopySink {
+    /// Takes destination memory from `alloc` instead of the system
+    /// allocator (e.g. a recycling allocator, for a resident destination).
+    pub fn with_memory(mut self, alloc: Arc<dyn HostAllocator>) -> Self {
+        self.memory = alloc;
+        self
     }
 }
 
@@ -138,7 +150,7 @@ impl DeviceSink for ThreadCopySink {
     }
 
     fn allocate(&mut self, len: usize) -> Result<AlignedBuf, String> {
-        AlignedBuf::zeroed(len, DIRECT_IO_ALIGN).map_err(|e| e.to_string())
+        AlignedBuf::zeroed_in(&self.memory, len, DIRECT_IO_ALIGN).map_err(|e| e.to_string())
     }
 
     unsafe fn copy_async(
