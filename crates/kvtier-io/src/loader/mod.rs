@@ -101,6 +101,18 @@ pub struct LoadStats {
 }
 
 impl LoadStats {
+    /// The stats of a load of `opened` begun at `start` on `engine`.
+    pub(crate) fn of(opened: &[read::OpenShard], start: Instant, engine: &IoEngine) -> Self {
+        Self {
+            bytes: opened.iter().map(|s| s.len).sum(),
+            seconds: start.elapsed().as_secs_f64(),
+            direct: !opened.is_empty() && opened.iter().all(|s| s.direct),
+            io_backend: engine.backend().name(),
+            buffered_reason: opened.iter().find_map(|s| s.buffered_reason.clone()),
+            shards: opened.len(),
+        }
+    }
+
     /// Throughput in GB/s (10^9 bytes per second).
     pub fn gbps(&self) -> f64 {
         if self.seconds > 0.0 {
@@ -135,14 +147,7 @@ pub fn load_shards(
     for (shard, buf) in opened.iter().zip(&bufs) {
         read::verify(shard, buf)?;
     }
-    let stats = LoadStats {
-        bytes: opened.iter().map(|s| s.len).sum(),
-        seconds: start.elapsed().as_secs_f64(),
-        direct: !opened.is_empty() && opened.iter().all(|s| s.direct),
-        io_backend: engine.backend().name(),
-        buffered_reason: opened.iter().find_map(|s| s.buffered_reason.clone()),
-        shards: opened.len(),
-    };
+    let stats = LoadStats::of(&opened, start, engine);
     let shards = opened
         .into_iter()
         .zip(bufs)

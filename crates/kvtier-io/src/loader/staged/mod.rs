@@ -388,14 +388,7 @@ pub fn load_shards_staged<S: DeviceSink>(
         read::check_unchanged(shard)?;
     }
     let stats = StagedStats {
-        load: LoadStats {
-            bytes: opened.iter().map(|s| s.len).sum(),
-            seconds: start.elapsed().as_secs_f64(),
-            direct: !opened.is_empty() && opened.iter().all(|s| s.direct),
-            io_backend: engine.backend().name(),
-            buffered_reason: opened.iter().find_map(|s| s.buffered_reason.clone()),
-            shards: opened.len(),
-        },
+        load: LoadStats::of(&opened, start, engine),
         device: ring.sink.describe(),
         staging_buffers: ring.made,
         max_queued_copies: ring.max_pending,
