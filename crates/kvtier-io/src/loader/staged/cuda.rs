@@ -40,6 +40,8 @@ unsafe impl HostAllocator for CudaPinnedAllocator {
             return NonNull::new(layout.align() as *mut u8);
         }
         self.ctx.bind_to_thread().ok()?;
+        // Flags 0, not write-combined: the ring reads header bytes back on
+        // the host, and reads from write-combined memory are uncached.
         // SAFETY: a plain allocation call; the result is checked below.
         let p = unsafe { result::malloc_host(layout.size(), 0) }.ok()?;
         let p = NonNull::new(p.cast::<u8>())?;
