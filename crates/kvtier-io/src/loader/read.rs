@@ -242,12 +242,26 @@ pub(crate) fn check_unchanged(shard: &OpenShard) -> Result<(), LoadError> {
 /// Checks that what was read is what was validated: the header bytes
 /// match and the file length has not changed.
 pub(crate) fn verify(shard: &OpenShard, buf: &AlignedBuf) -> Result<(), LoadError> {
-    let changed = |msg: String| LoadError::Changed {
-        path: shard.path.clone(),
-        msg,
-    };
-    if buf.get(..shard.prefix.len()) != Some(&shard.prefix[..]) {
-        return Err(changed("the header differs from the one validated".into()));
-    }
+    check_prefix(shard, 0, buf)?;
     check_unchanged(shard)
+}
+
+/// Checks that the header bytes among `bytes`, read at `offset` of the
+/// file, are the ones validated (bytes past the header are not checked).
+pub(crate) fn check_prefix(
+    shard: &OpenShard,
+    offset: usize,
+    bytes: &[u8],
+) -> Result<(), LoadError> {
+    let Some(want) = shard.prefix.get(offset..) else {
+        return Ok(());
+    };
+    let n = want.len().min(bytes.len());
+    if want[..n] != bytes[..n] {
+        return Err(LoadError::Changed {
+            path: shard.path.clone(),
+            msg: "the header differs from the one validated".into(),
+        });
+    }
+    Ok(())
 }

@@ -112,11 +112,7 @@ impl LoadedShard {
     }
 
     fn view<'a>(&'a self, t: &'a TensorInfo) -> Option<TensorView<'a>> {
-        let start = self.header.data_start().checked_add(t.data_offsets.0)?;
-        let end = self.header.data_start().checked_add(t.data_offsets.1)?;
-        let data = self
-            .buf
-            .get(usize::try_from(start).ok()?..usize::try_from(end).ok()?)?;
+        let data = self.buf.get(self.header.file_range(t)?)?;
         Some(TensorView {
             name: &t.name,
             dtype: t.dtype,

@@ -64,6 +64,14 @@ impl Header {
         self.data_start() + self.data_len()
     }
 
+    /// Where `t`'s bytes lie in the file (`data_start` + its offsets), or
+    /// `None` if that overflows this platform's `usize`.
+    pub fn file_range(&self, t: &TensorInfo) -> Option<std::ops::Range<usize>> {
+        let start = self.data_start().checked_add(t.data_offsets.0)?;
+        let end = self.data_start().checked_add(t.data_offsets.1)?;
+        Some(usize::try_from(start).ok()?..usize::try_from(end).ok()?)
+    }
+
     /// The entry named `name` (a linear scan; index it for repeated lookups).
     pub fn get(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.iter().find(|t| t.name == name)

@@ -94,19 +94,13 @@ impl<M> DeviceShard<M> {
         self.header
             .tensors
             .iter()
-            .filter_map(|t| Some((t, self.range(t)?)))
+            .filter_map(|t| Some((t, self.header.file_range(t)?)))
     }
 
     /// The tensor named `name` and its byte range in device memory.
     pub fn tensor(&self, name: &str) -> Option<(&TensorInfo, Range<usize>)> {
         let t = self.header.get(name)?;
-        Some((t, self.range(t)?))
-    }
-
-    fn range(&self, t: &TensorInfo) -> Option<Range<usize>> {
-        let start = self.header.data_start().checked_add(t.data_offsets.0)?;
-        let end = self.header.data_start().checked_add(t.data_offsets.1)?;
-        Some(usize::try_from(start).ok()?..usize::try_from(end).ok()?)
+        Some((t, self.header.file_range(t)?))
     }
 }
 
@@ -225,7 +219,7 @@ impl<S: DeviceSink> Ring<S> {
         };
         let valid = (shard.len - c.offset as u64).min(c.len as u64) as usize;
         let checked = read::check_read(shard, c.offset, valid, d.result)
-            .and_then(|()| check_prefix(shard, c.offset, &buf[..valid]));
+            .and_then(|()| read::check_prefix(shard, c.offset, &buf[..valid]));
         if let Err(e) = checked {
             self.free.push(buf);
             self.fail(e);
@@ -261,21 +255,6 @@ impl<S: DeviceSink> Ring<S> {
             }
         }
     }
-}
-
-/// The header bytes that land in a chunk must be the ones validated.
-fn check_prefix(shard: &OpenShard, offset: usize, bytes: &[u8]) -> Result<(), LoadError> {
-    let Some(want) = shard.prefix.get(offset..) else {
-        return Ok(());
-    };
-    let n = want.len().min(bytes.len());
-    if want[..n] != bytes[..n] {
-        return Err(LoadError::Changed {
-            path: shard.path.clone(),
-            msg: "the header differs from the one validated".into(),
-        });
-    }
-    Ok(())
 }
 
 /// What a staged load did, beyond [`LoadStats`].
