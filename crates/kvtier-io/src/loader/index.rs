@@ -97,6 +97,18 @@ impl ModelIndex {
     }
 }
 
+/// When `dir` has an index, checks that every tensor it lists is in the
+/// shard it names, among the loaded `shards` (path and header).
+pub(crate) fn check_index<'a>(
+    dir: &Path,
+    shards: impl Iterator<Item = (&'a Path, &'a Header)> + Clone,
+) -> Result<(), LoadError> {
+    match ModelIndex::read(dir)? {
+        Some(index) => index.check(dir, shards),
+        None => Ok(()),
+    }
+}
+
 /// The shard files of the model in `dir`: the unique files of
 /// `model.safetensors.index.json`'s `weight_map` (sorted; every one must
 /// exist, a missing one is an error naming it), else `model.safetensors`,

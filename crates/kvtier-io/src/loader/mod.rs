@@ -165,8 +165,6 @@ pub fn load_model_dir(
 ) -> Result<(Vec<LoadedShard>, LoadStats), LoadError> {
     let paths = model_shards(dir)?;
     let (shards, stats) = load_shards(&paths, cfg, IoEngine::shared(), &system_allocator())?;
-    if let Some(index) = index::ModelIndex::read(dir)? {
-        index.check(dir, shards.iter().map(|s| (s.path(), s.header())))?;
-    }
+    index::check_index(dir, shards.iter().map(|s| (s.path(), s.header())))?;
     Ok((shards, stats))
 }

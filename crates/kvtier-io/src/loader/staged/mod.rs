@@ -39,7 +39,7 @@ use crate::engine::{IoDone, IoEngine, IoOp};
 use crate::safetensors::{Header, TensorInfo};
 
 use super::error::LoadError;
-use super::index::{ModelIndex, model_shards};
+use super::index::{check_index, model_shards};
 use super::read::{self, OpenShard};
 use super::{LoadStats, LoaderConfig};
 
@@ -305,9 +305,16 @@ pub fn load_shards_staged<S: DeviceSink>(
         .iter()
         .map(|p| read::open_shard(p, cfg))
         .collect::<Result<Vec<_>, _>>()?;
+    let mut sink = sink;
+    let mut memory = Vec::with_capacity(opened.len());
     let mut plan = Vec::new();
     for (i, shard) in opened.iter().enumerate() {
         let len = read::shard_len(shard)?;
+        let mem = sink.allocate(len).map_err(|msg| LoadError::Device {
+            device: sink.describe(),
+            msg: format!("allocating {len} bytes: {msg}"),
+        })?;
+        memory.push(mem);
         let mut offset = 0;
         while offset < len {
             let valid = cfg.chunk_bytes.min(len - offset);
@@ -319,10 +326,10 @@ pub fn load_shards_staged<S: DeviceSink>(
             offset += valid;
         }
     }
-    let mut ring = Ring {
+    let ring = Ring {
         alloc: sink.staging_allocator(),
-        memory: Vec::with_capacity(opened.len()),
         sink,
+        memory,
         chunk_bytes: cfg.chunk_bytes,
         cap: ring_len,
         made: 0,
@@ -334,14 +341,6 @@ pub fn load_shards_staged<S: DeviceSink>(
         max_pending: 0,
         error: None,
     };
-    for shard in &opened {
-        let len = read::shard_len(shard)?;
-        let mem = ring
-            .sink
-            .allocate(len)
-            .map_err(|msg| ring.device_err(format!("allocating {len} bytes: {msg}")))?;
-        ring.memory.push(mem);
-    }
     let state = Mutex::new(ring);
     let lock = || state.lock().unwrap_or_else(PoisonError::into_inner);
     engine.run_stream(
@@ -396,8 +395,6 @@ pub fn load_model_dir_staged<S: DeviceSink>(
 ) -> Result<StagedLoad<S::Memory>, LoadError> {
     let paths = model_shards(dir)?;
     let load = load_shards_staged(&paths, cfg, ring_len, IoEngine::shared(), sink)?;
-    if let Some(index) = ModelIndex::read(dir)? {
-        index.check(dir, load.shards.iter().map(|s| (s.path(), s.header())))?;
-    }
+    check_index(dir, load.shards.iter().map(|s| (s.path(), s.header())))?;
     Ok(load)
 }
