@@ -1,7 +1,7 @@
 //! Helpers shared by the loader tests.
 
 // Helpers outside #[test] fns unwrap too: clippy.toml lets tests unwrap.
-#![allow(clippy::unwrap_used, dead_code)]
+#![allow(clippy::unwrap_used)]
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

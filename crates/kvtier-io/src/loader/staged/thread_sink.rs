@@ -24,7 +24,7 @@ struct Job {
 }
 
 /// How many copies have finished, and whether the copy thread is gone.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Progress {
     state: Mutex<(u64, bool)>,
     changed: Condvar,
@@ -39,12 +39,6 @@ pub struct ThreadCopySink {
     progress: Arc<Progress>,
     queued: u64,
     worker: Option<JoinHandle<()>>,
-}
-
-impl std::fmt::Debug for Progress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Progress")
-    }
 }
 
 /// Completion of one [`ThreadCopySink`] copy.
