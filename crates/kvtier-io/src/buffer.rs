@@ -28,18 +28,28 @@ pub const fn align_up(n: usize, align: usize) -> usize {
 ///
 /// # Safety
 ///
-/// `allocate` must return memory valid for reads and writes of `layout.size()`
-/// bytes, aligned to `layout.align()`, zero-filled, and not aliased, until it
-/// is handed back to `deallocate` with the same layout.
+/// `allocate_zeroed` must return memory valid for reads and writes of
+/// `layout.size()` bytes, aligned to `layout.align()`, zero-filled, and not
+/// aliased, until it is handed back to `deallocate` with the same layout.
+/// `allocate_for_overwrite` must do the same except that the bytes may hold
+/// any initialised values (never uninitialised memory).
 pub unsafe trait HostAllocator: Send + Sync + fmt::Debug {
     /// Allocates zero-filled memory for `layout`; `None` when out of memory.
     fn allocate_zeroed(&self, layout: Layout) -> Option<NonNull<u8>>;
-    /// Frees memory returned by `allocate_zeroed` for the same layout.
+    /// Allocates memory for `layout` whose bytes are initialised but
+    /// unspecified (a recycled buffer's old contents, or zeros), for a caller
+    /// that overwrites what it uses (a read, a block being filled); `None`
+    /// when out of memory. The default zero-fills.
+    fn allocate_for_overwrite(&self, layout: Layout) -> Option<NonNull<u8>> {
+        self.allocate_zeroed(layout)
+    }
+    /// Frees memory returned by either allocation call for the same layout.
     ///
     /// # Safety
     ///
-    /// `ptr` must come from `allocate_zeroed(layout)` on this allocator and
-    /// must not be used afterwards.
+    /// `ptr` must come from `allocate_zeroed(layout)` or
+    /// `allocate_for_overwrite(layout)` on this allocator and must not be
+    /// used afterwards.
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout);
     /// A short name for logs and metrics ("system", "cuda-pinned").
     fn name(&self) -> &'static str;
@@ -134,8 +144,9 @@ pub struct AllocError {
     pub allocator: &'static str,
 }
 
-/// An owned, zero-initialised, aligned byte buffer with a length that can
-/// shrink and grow within its capacity.
+/// An owned, initialised, aligned byte buffer with a length that can shrink
+/// and grow within its capacity (zero-filled unless made with
+/// [`AlignedBuf::for_overwrite_in`]).
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
@@ -162,6 +173,28 @@ impl AlignedBuf {
         len: usize,
         align: usize,
     ) -> Result<Self, AllocError> {
+        Self::alloc_in(alloc, len, align, true)
+    }
+
+    /// A buffer of `len` bytes from `alloc` whose contents are unspecified
+    /// (initialised, but possibly a recycled buffer's old bytes), for a
+    /// caller that overwrites what it reads: a read into it, a block filled
+    /// in place. Saves the zero fill [`zeroed_in`](Self::zeroed_in) pays for
+    /// recycled memory.
+    pub fn for_overwrite_in(
+        alloc: &Arc<dyn HostAllocator>,
+        len: usize,
+        align: usize,
+    ) -> Result<Self, AllocError> {
+        Self::alloc_in(alloc, len, align, false)
+    }
+
+    fn alloc_in(
+        alloc: &Arc<dyn HostAllocator>,
+        len: usize,
+        align: usize,
+        zeroed: bool,
+    ) -> Result<Self, AllocError> {
         let err = || AllocError {
             bytes: len,
             align,
@@ -172,7 +205,12 @@ impl AlignedBuf {
         }
         let cap = len.checked_add(align - 1).ok_or_else(err)? & !(align - 1);
         let layout = Layout::from_size_align(cap, align).map_err(|_| err())?;
-        let ptr = alloc.allocate_zeroed(layout).ok_or_else(err)?;
+        let ptr = if zeroed {
+            alloc.allocate_zeroed(layout)
+        } else {
+            alloc.allocate_for_overwrite(layout)
+        }
+        .ok_or_else(err)?;
         Ok(Self {
             ptr,
             len,

@@ -4,7 +4,10 @@
 //! Fresh memory must be faulted in by the kernel, which on some VMs runs at
 //! 0.4 GB/s (the host reclaims freed RAM within seconds), so allocating every
 //! block anew makes restores wait on page faults, not the disk. Recycling
-//! buffers of the same layout costs one `memset` per reuse instead. The
+//! buffers of the same layout costs one `memset` per reuse instead, and
+//! nothing for a buffer asked for with
+//! [`AlignedBuf::for_overwrite_in`](crate::AlignedBuf::for_overwrite_in)
+//! (a read target, a block filled in place). The
 //! tiered store uses it by default; benchmarks use it for their pools.
 //!
 //! Benchmarks of a warm destination go one step further: buffers can be
@@ -101,12 +104,11 @@ fn touch_pages(ptr: NonNull<u8>, len: usize) {
     }
 }
 
-// SAFETY: recycled memory came from the system allocator with the same
-// layout, is no longer referenced by its previous owner (it was handed to
-// `deallocate`), and is zeroed before it is handed out again (now, or by
-// `reserve` / `rezero`, which set `zeroed` only after writing zeros).
-unsafe impl HostAllocator for RecyclingAllocator {
-    fn allocate_zeroed(&self, layout: Layout) -> Option<NonNull<u8>> {
+impl RecyclingAllocator {
+    /// A recycled buffer of `layout` (zero-filled when `zero` asks for it
+    /// and it is not known to be zero), else a fresh one from the system
+    /// allocator.
+    fn allocate(&self, layout: Layout, zero: bool) -> Option<NonNull<u8>> {
         let reused = {
             let mut free = self.lock();
             // Prefer a buffer that is already zero.
@@ -118,7 +120,7 @@ unsafe impl HostAllocator for RecyclingAllocator {
         };
         match reused.and_then(|c| NonNull::new(c.addr as *mut u8).map(|p| (p, c.zeroed))) {
             Some((ptr, zeroed)) => {
-                if !zeroed {
+                if zero && !zeroed {
                     // SAFETY: the allocation is valid for `layout.size()`
                     // bytes and exclusively ours.
                     unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, layout.size()) };
@@ -127,6 +129,22 @@ unsafe impl HostAllocator for RecyclingAllocator {
             }
             None => SystemAllocator.allocate_zeroed(layout),
         }
+    }
+}
+
+// SAFETY: recycled memory came from the system allocator with the same
+// layout and is no longer referenced by its previous owner (it was handed to
+// `deallocate`). It is initialised (it was zeroed when first allocated and
+// only ever written since) and, for `allocate_zeroed`, zeroed before it is
+// handed out again (now, or by `reserve` / `rezero`, which set `zeroed` only
+// after writing zeros).
+unsafe impl HostAllocator for RecyclingAllocator {
+    fn allocate_zeroed(&self, layout: Layout) -> Option<NonNull<u8>> {
+        self.allocate(layout, true)
+    }
+
+    fn allocate_for_overwrite(&self, layout: Layout) -> Option<NonNull<u8>> {
+        self.allocate(layout, false)
     }
 
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
@@ -189,6 +207,25 @@ mod tests {
             .collect();
         drop(many); // three go back to the system allocator
         drop((b, c));
+    }
+
+    #[test]
+    fn buffers_for_overwrite_skip_the_zero_fill_and_zeroed_ones_do_not() {
+        let alloc: Arc<dyn HostAllocator> = Arc::new(RecyclingAllocator::new(2));
+        let mut a = AlignedBuf::zeroed_in(&alloc, 8192, 4096).unwrap();
+        a.fill(7);
+        let addr = a.as_ptr() as usize;
+        drop(a);
+        let b = AlignedBuf::for_overwrite_in(&alloc, 8192, 4096).unwrap();
+        assert_eq!(b.as_ptr() as usize, addr, "recycled");
+        assert!(b.iter().all(|&x| x == 7), "old bytes kept: no memset");
+        drop(b);
+        let c = AlignedBuf::zeroed_in(&alloc, 8192, 4096).unwrap();
+        assert_eq!(c.as_ptr() as usize, addr, "recycled");
+        assert!(c.iter().all(|&x| x == 0), "zeroed when zeros are asked for");
+        // Nothing to recycle: fresh memory is zero either way.
+        let d = AlignedBuf::for_overwrite_in(&alloc, 3 * 4096, 4096).unwrap();
+        assert!(d.iter().all(|&x| x == 0));
     }
 
     #[test]

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use kvtier_io::buffer::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
 
 use crate::key::{BlockKey, ModelFingerprint};
-use crate::layout::{KvDtype, KvLayout, slot_bytes};
+use crate::kv_layout::{KvDtype, KvLayout, LayoutError};
 
 /// The four bytes every encoded block starts with.
 pub const MAGIC: [u8; 4] = *b"KVTB";
@@ -41,6 +41,26 @@ pub const HEADER_BYTES: usize = 128;
 pub const RESERVED_RANGE: std::ops::Range<usize> = 76..124;
 /// Byte range covered by the header checksum.
 pub const HEADER_CRC_COVERS: std::ops::Range<usize> = 0..124;
+
+/// `HEADER_BYTES + payload`, rounded up to [`DIRECT_IO_ALIGN`]; saturates at
+/// `u64::MAX`.
+pub(crate) fn slot_bytes(payload: u64) -> u64 {
+    let align = DIRECT_IO_ALIGN as u64;
+    (HEADER_BYTES as u64)
+        .checked_add(payload)
+        .and_then(|n| n.checked_add(align - 1))
+        .map_or(u64::MAX, |n| n & !(align - 1))
+}
+
+impl KvLayout {
+    /// Bytes one encoded block occupies on disk (its slot size): header plus
+    /// payload, rounded up to [`DIRECT_IO_ALIGN`].
+    ///
+    /// Saturates at `u64::MAX` for layouts that fail [`KvLayout::validate`].
+    pub fn encoded_bytes(&self) -> u64 {
+        slot_bytes(self.payload_bytes())
+    }
+}
 
 /// How the payload is stored. The discriminant is the header byte.
 #[repr(u8)]
@@ -112,9 +132,32 @@ pub enum BlockError {
     /// The layout is invalid (zero dimension, overflow, payload over 1 GiB).
     #[error("bad KV layout: {0}")]
     BadLayout(String),
+    /// The block is intact but its header names another layout than the
+    /// reader's.
+    #[error("block has layout {found}, expected {expected}")]
+    LayoutMismatch {
+        /// The reader's layout.
+        expected: KvLayout,
+        /// The header's.
+        found: KvLayout,
+    },
+    /// The block is intact but was computed by another model.
+    #[error("block belongs to another model (fingerprint {found}, expected {expected})")]
+    FingerprintMismatch {
+        /// The reader's model.
+        expected: ModelFingerprint,
+        /// The header's.
+        found: ModelFingerprint,
+    },
     /// The output buffer could not be allocated.
     #[error("block buffer allocation failed: {0}")]
     Alloc(String),
+}
+
+impl From<LayoutError> for BlockError {
+    fn from(e: LayoutError) -> Self {
+        BlockError::BadLayout(e.0)
+    }
 }
 
 /// The decoded fixed header of a block.
@@ -244,6 +287,84 @@ impl BlockHeader {
     }
 }
 
+/// A block being encoded in place: one slot-sized buffer from the store's
+/// allocator whose payload the producer writes straight into
+/// ([`payload_mut`](Self::payload_mut)), then [`seal`](Self::seal)s with the
+/// header and the payload checksum. Filling it saves the copy that encoding
+/// a separately held payload ([`encode_block`]) costs: the engine exports a
+/// G1 page directly into one.
+///
+/// The buffer may be recycled memory holding an older block's bytes: the
+/// producer must write every payload byte before sealing (the padding after
+/// the payload is zeroed here, since it reaches disk).
+pub struct BlockBuf {
+    buf: AlignedBuf,
+    layout: KvLayout,
+}
+
+impl std::fmt::Debug for BlockBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockBuf")
+            .field("layout", &self.layout)
+            .field("bytes", &self.buf.len())
+            .finish()
+    }
+}
+
+impl BlockBuf {
+    /// A buffer for one block of `layout` from `alloc`.
+    pub fn new(layout: KvLayout, alloc: &Arc<dyn HostAllocator>) -> Result<Self, BlockError> {
+        layout.validate()?;
+        let len = usize::try_from(layout.encoded_bytes())
+            .map_err(|_| BlockError::Alloc(format!("a block of {layout} does not fit memory")))?;
+        let mut buf = AlignedBuf::for_overwrite_in(alloc, len, DIRECT_IO_ALIGN)
+            .map_err(|e| BlockError::Alloc(e.to_string()))?;
+        if buf.len() != len {
+            return Err(BlockError::Alloc(format!(
+                "allocator returned {} bytes, wanted {len}",
+                buf.len()
+            )));
+        }
+        let end = HEADER_BYTES + layout.payload_bytes() as usize;
+        buf[end..].fill(0);
+        Ok(Self { buf, layout })
+    }
+
+    /// The layout the payload has.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// The payload, to be written in full by the producer.
+    pub fn payload_mut(&mut self) -> &mut [u8] {
+        let end = HEADER_BYTES + self.layout.payload_bytes() as usize;
+        &mut self.buf[HEADER_BYTES..end]
+    }
+
+    /// Writes the header (with the payload's checksum) and returns the
+    /// encoded block: [`BlockHeader::encoded_len`] bytes, aligned to
+    /// [`DIRECT_IO_ALIGN`].
+    pub fn seal(
+        mut self,
+        key: BlockKey,
+        fingerprint: ModelFingerprint,
+        generation: u64,
+    ) -> AlignedBuf {
+        let payload_len = self.layout.payload_bytes();
+        let header = BlockHeader {
+            key,
+            fingerprint,
+            layout: self.layout,
+            compression: Compression::None,
+            payload_len,
+            generation,
+            payload_crc32c: crc32c::crc32c(self.payload_mut()),
+        };
+        self.buf[..HEADER_BYTES].copy_from_slice(&header.encode());
+        self.buf
+    }
+}
+
 /// Encodes header and payload into one zero-padded [`AlignedBuf`] from
 /// `alloc`, of length [`BlockHeader::encoded_len`] (a multiple of
 /// [`DIRECT_IO_ALIGN`], aligned to it), computing the payload checksum.
@@ -266,31 +387,9 @@ pub fn encode_block(
             layout: expected,
         });
     }
-    let header = BlockHeader {
-        key,
-        fingerprint,
-        layout,
-        compression: Compression::None,
-        payload_len: expected,
-        generation,
-        payload_crc32c: crc32c::crc32c(payload),
-    };
-    let len = header.encoded_len();
-    let mut buf = AlignedBuf::zeroed_in(alloc, len, DIRECT_IO_ALIGN)
-        .map_err(|e| BlockError::Alloc(e.to_string()))?;
-    if buf.len() != len {
-        return Err(BlockError::Alloc(format!(
-            "allocator returned {} bytes, wanted {len}",
-            buf.len()
-        )));
-    }
-    let end = HEADER_BYTES + payload.len();
-    buf[..HEADER_BYTES].copy_from_slice(&header.encode());
-    buf[HEADER_BYTES..end].copy_from_slice(payload);
-    // Allocators promise zeroed memory; make the padding's zeros explicit
-    // anyway (at most one page), since it reaches disk.
-    buf[end..].fill(0);
-    Ok(buf)
+    let mut block = BlockBuf::new(layout, alloc)?;
+    block.payload_mut().copy_from_slice(payload);
+    Ok(block.seal(key, fingerprint, generation))
 }
 
 /// Decodes and fully verifies an encoded block: every header check of

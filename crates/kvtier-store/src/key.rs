@@ -12,7 +12,7 @@ use std::fmt;
 
 use xxhash_rust::xxh3::{Xxh3Default, xxh3_128};
 
-use crate::layout::KvLayout;
+use crate::kv_layout::KvLayout;
 
 /// Domain-separation string hashed first into every key-chain seed. Bump the
 /// version suffix whenever the key derivation changes, so old and new keys
@@ -215,7 +215,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::layout::KvDtype;
+    use crate::kv_layout::KvDtype;
 
     fn golden_layout() -> KvLayout {
         KvLayout {

@@ -2,26 +2,34 @@
 //!
 //! Knows nothing about models: it stores fixed-size KV blocks named by
 //! chained prefix hashes ([`key`]), in a versioned, checksummed format
-//! ([`block`]), across G2 host memory, G3 disk and G4 shared-pool
-//! ([`remote`]: Redis/Valkey, S3) tiers.
+//! ([`block`]) that every tier checks the same way ([`verify`]), across G2
+//! host memory ([`memory`]), G3 disk ([`disk`]) and a G4 shared pool
+//! ([`remote`]: Redis/Valkey, S3), with eviction policies ([`eviction`])
+//! and an admission filter ([`admission`]). [`TieredStore`] ([`store`]) is
+//! the facade callers use; [`Handle`] is how its background reads report.
 
 pub mod admission;
 pub mod block;
 pub mod disk;
+pub mod eviction;
+mod handle;
 pub mod key;
-pub mod layout;
+pub mod kv_layout;
 pub mod memory;
 pub mod metrics;
-pub mod policy;
 pub mod remote;
 pub mod store;
+pub mod verify;
+mod workers;
 
-pub use block::BlockError;
+pub use block::{BlockBuf, BlockError};
 pub use disk::{DiskConfig, DiskError, DiskTier};
+pub use handle::Handle;
 pub use key::{BlockKey, KeyChain, ModelFingerprint};
-pub use layout::{KvDtype, KvLayout};
+pub use kv_layout::{KvDtype, KvLayout, LayoutError};
 pub use metrics::{RemoteMetrics, StoreMetrics, Tier};
 pub use remote::{RemoteConfig, RemoteError, RemoteTier};
 pub use store::{
     PrefixLookup, PutReport, StoreConfig, StoreError, StoreStats, StoredBlock, TieredStore,
 };
+pub use verify::BlockSpec;

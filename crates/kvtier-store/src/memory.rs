@@ -15,9 +15,9 @@ use std::sync::Arc;
 use kvtier_io::AlignedBuf;
 use parking_lot::Mutex;
 
+use crate::eviction::S3Fifo;
 use crate::key::BlockKey;
 use crate::metrics::TierMetrics;
-use crate::policy::S3Fifo;
 
 /// A block that left G2.
 #[derive(Debug)]
@@ -79,9 +79,39 @@ impl MemoryTier {
         found
     }
 
+    /// For every `found[i]` still `None`, the block under `keys[i]`,
+    /// recording a hit or a miss for each, under one lock.
+    pub fn get_many(&self, keys: &[BlockKey], found: &mut [Option<Arc<AlignedBuf>>]) {
+        let mut inner = self.inner.lock();
+        let (mut hits, mut misses, mut bytes) = (0, 0, 0);
+        for (key, slot) in keys.iter().zip(found.iter_mut()) {
+            if slot.is_some() {
+                continue;
+            }
+            match inner.map.get(key).map(|e| e.buf.clone()) {
+                Some(buf) => {
+                    inner.policy.touch(key);
+                    hits += 1;
+                    bytes += buf.len() as u64;
+                    *slot = Some(buf);
+                }
+                None => misses += 1,
+            }
+        }
+        self.metrics.hits.inc_by(hits);
+        self.metrics.misses.inc_by(misses);
+        self.metrics.read_bytes.inc_by(bytes);
+    }
+
     /// True when `key` is resident (no hit is recorded).
     pub fn contains(&self, key: &BlockKey) -> bool {
         self.inner.lock().map.contains_key(key)
+    }
+
+    /// [`contains`](Self::contains) for each of `keys`, under one lock.
+    pub fn contains_many(&self, keys: &[BlockKey]) -> Vec<bool> {
+        let inner = self.inner.lock();
+        keys.iter().map(|k| inner.map.contains_key(k)).collect()
     }
 
     /// Inserts a block (replacing one under the same key) and returns the

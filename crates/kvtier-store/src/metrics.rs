@@ -119,6 +119,10 @@ pub struct StoreMetrics {
     pub remote: RemoteMetrics,
     /// Blocks waiting to be written back from G2 to G3.
     pub writeback_pending: Gauge,
+    /// Blocks evicted from G2 that never reached G3: the write-back queue
+    /// was full when a caller that must not wait put them (the engine's
+    /// offload, [`TieredStore::offer`](crate::TieredStore::offer)).
+    pub writeback_dropped: Counter,
     /// Blocks not written to G3 because the admission filter had seen them
     /// only once.
     pub admission_rejected: Counter,
@@ -140,6 +144,7 @@ impl StoreMetrics {
         let remote = RemoteMetrics::default();
         let io_mode = Family::<Labels, Gauge>::default();
         let writeback_pending = Gauge::default();
+        let writeback_dropped = Counter::default();
         let admission_rejected = Counter::default();
         {
             let store = registry.sub_registry_with_prefix("kvtier_store");
@@ -200,6 +205,12 @@ impl StoreMetrics {
                 writeback_pending.clone(),
             );
             store.register(
+                "writeback_dropped",
+                "Blocks evicted from G2 and dropped, not written to G3: the write-back \
+                 queue was full when a caller that must not wait put them",
+                writeback_dropped.clone(),
+            );
+            store.register(
                 "remote_breaker_open",
                 "1 while the G4 circuit breaker is open (G4 skipped: misses, dropped writes)",
                 remote.breaker_open.clone(),
@@ -238,6 +249,7 @@ impl StoreMetrics {
             g4,
             remote,
             writeback_pending,
+            writeback_dropped,
             admission_rejected,
         }
     }

@@ -235,6 +235,50 @@ fn prefix_lookup_stops_at_the_first_block_no_tier_holds() {
     );
 }
 
+/// Calls of `cmd` the server has answered since its stats were reset.
+fn calls(redis: &RedisServer, cmd: &str) -> u64 {
+    let info = redis.command(&[b"INFO", b"commandstats"]).unwrap();
+    let text = String::from_utf8_lossy(info.as_bytes().unwrap()).into_owned();
+    let prefix = format!("cmdstat_{cmd}:calls=");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[test]
+fn read_prefix_sends_one_get_per_block_below_the_local_tiers_and_no_exists() {
+    let redis = RedisServer::start().unwrap();
+    let remote = RemoteConfig::new(redis.url());
+    let dir = tempfile::tempdir().unwrap();
+    let a = remote_store(None, remote.clone());
+    put(&a, &keys(0..8));
+    a.flush().unwrap();
+    // B holds 2..4 in G3, 0..2 and 9 in G2; G4 holds 0..8.
+    let b = remote_store(Some(dir.path()), remote);
+    put(&b, &keys(2..4));
+    b.evict_memory().unwrap();
+    put(&b, &keys(0..2));
+    put(&b, &keys(9..10));
+    b.flush().unwrap();
+    redis.command(&[b"CONFIG", b"RESETSTAT"]).unwrap();
+
+    let got = b.read_prefix(&keys(0..12));
+    let tiers: Vec<Tier> = got.iter().map(|b| b.tier).collect();
+    assert_eq!(
+        tiers,
+        [vec![Tier::G2; 2], vec![Tier::G3; 2], vec![Tier::G4; 4]].concat(),
+        "G2, G3, then G4 up to the missing key 8"
+    );
+    got.iter().for_each(assert_content);
+    assert_eq!(calls(&redis, "exists"), 0, "no EXISTS before the GETs");
+    assert_eq!(
+        calls(&redis, "get"),
+        7,
+        "one GET per key no local tier holds (4..9 and 10..12), one batch"
+    );
+}
+
 #[test]
 fn a_dead_pool_is_misses_with_the_breaker_open_and_hits_resume_after_restart() {
     let mut redis = RedisServer::start().unwrap();

@@ -17,10 +17,12 @@
 //!   answer, not a failure.
 //!
 //! The tier moves encoded blocks (header and payload, without the disk
-//! padding) and knows nothing of their contents; the
-//! [`TieredStore`](crate::TieredStore) verifies every block it reads from
-//! here (checksums, key, model, layout) and deletes one that fails.
+//! padding); every value read is verified where it lands (checksums, key,
+//! model, layout: [`BlockSpec::verify`]), and the
+//! [`TieredStore`](crate::TieredStore) deletes one that fails. The engines
+//! sit behind one trait (`backend`), one implementation per file.
 
+mod backend;
 pub mod breaker;
 pub mod config;
 #[cfg(feature = "redis")]
@@ -41,6 +43,8 @@ pub use config::{RemoteConfig, S3Options, Target, parse_target, redact_url};
 
 use crate::key::BlockKey;
 use crate::metrics::{RemoteMetrics, TierMetrics};
+use crate::verify::BlockSpec;
+use backend::Backend;
 
 /// Why a G4 operation failed. Callers of the store never see these: they
 /// become misses; they are logged and counted.
@@ -60,141 +64,38 @@ pub enum RemoteError {
     Unavailable,
 }
 
-enum Backend {
-    #[cfg(feature = "redis")]
-    Redis(Box<redis_backend::RedisBackend>),
-    #[cfg(feature = "s3")]
-    S3(s3_backend::S3Backend),
-}
-
-impl Backend {
-    fn open(config: &RemoteConfig, target: &Target) -> Result<Self, RemoteError> {
-        let _ = config;
-        match target {
-            #[cfg(feature = "redis")]
-            Target::Redis(url) => Ok(Backend::Redis(Box::new(redis_backend::RedisBackend::node(
-                url, config,
-            )?))),
-            #[cfg(feature = "redis")]
-            Target::RedisCluster(nodes) => Ok(Backend::Redis(Box::new(
-                redis_backend::RedisBackend::cluster(nodes, config)?,
-            ))),
-            #[cfg(feature = "s3")]
-            Target::S3 {
-                bucket,
-                endpoint,
-                region,
-                ..
-            } => Ok(Backend::S3(s3_backend::S3Backend::new(
-                bucket,
-                endpoint.as_deref(),
-                region.as_deref(),
-                &config.s3,
-                config.connect_timeout,
-                config.timeout,
-            )?)),
-            #[allow(unreachable_patterns)]
-            other => Err(RemoteError::Config(format!(
-                "G4 {other:?}: this kvtier was built without the cargo feature for it \
-                 (`redis` or `s3`)"
-            ))),
-        }
-    }
-
-    fn shown(&self) -> &str {
-        match self {
-            #[cfg(feature = "redis")]
-            Backend::Redis(b) => b.shown(),
-            #[cfg(feature = "s3")]
-            Backend::S3(b) => b.shown(),
-            #[allow(unreachable_patterns)]
-            _ => "G4",
-        }
-    }
-
-    async fn exists(&self, names: &[String], in_flight: usize) -> Result<Vec<bool>, RemoteError> {
-        let _ = (names, in_flight);
-        match self {
-            #[cfg(feature = "redis")]
-            Backend::Redis(b) => b.exists(names, in_flight).await,
-            #[cfg(feature = "s3")]
-            Backend::S3(b) => b.exists(names, in_flight).await,
-            #[allow(unreachable_patterns)]
-            _ => Err(RemoteError::Unavailable),
-        }
-    }
-
-    async fn get(
-        &self,
-        names: &[String],
-        keys: &[BlockKey],
-        in_flight: usize,
-        landing: &Landing,
-    ) -> Result<Vec<Fetched>, RemoteError> {
-        let _ = (names, keys, in_flight, landing);
-        match self {
-            #[cfg(feature = "redis")]
-            Backend::Redis(b) => b.get(names, keys, in_flight, landing).await,
-            #[cfg(feature = "s3")]
-            Backend::S3(b) => b.get(names, keys, in_flight, landing).await,
-            #[allow(unreachable_patterns)]
-            _ => Err(RemoteError::Unavailable),
-        }
-    }
-
-    async fn put(
-        &self,
-        items: Vec<(String, Arc<AlignedBuf>, usize)>,
-        in_flight: usize,
-    ) -> Result<(), RemoteError> {
-        let _ = (&items, in_flight);
-        match self {
-            #[cfg(feature = "redis")]
-            Backend::Redis(b) => b.put(items, in_flight).await,
-            #[cfg(feature = "s3")]
-            Backend::S3(b) => b.put(items, in_flight).await,
-            #[allow(unreachable_patterns)]
-            _ => Err(RemoteError::Unavailable),
-        }
-    }
-
-    async fn delete(&self, name: &str) -> Result<(), RemoteError> {
-        let _ = name;
-        match self {
-            #[cfg(feature = "redis")]
-            Backend::Redis(b) => b.delete(name).await,
-            #[cfg(feature = "s3")]
-            Backend::S3(b) => b.delete(name).await,
-            #[allow(unreachable_patterns)]
-            _ => Err(RemoteError::Unavailable),
-        }
-    }
-}
-
-/// Checks a value read under a key (checksums, key, model, layout) and
-/// extends it to a whole block; `Err` says why it was refused.
-pub type BlockCheck =
-    Arc<dyn Fn(&BlockKey, AlignedBuf) -> Result<AlignedBuf, String> + Send + Sync>;
-
 /// What a read gives for one key: absent, a checked block, or why the
 /// value there was refused.
 pub type Fetched = Option<Result<AlignedBuf, String>>;
 
 /// Where values read from the pool land (block buffers of `slot` bytes from
-/// `alloc`) and how they are checked. Backends check each value as it
-/// lands, so on the hand-written read path checking overlaps the replies
-/// still arriving on other connections.
+/// `alloc`) and how they are checked ([`BlockSpec::verify`]). Backends check
+/// each value as it lands, so on the hand-written read path checking
+/// overlaps the replies still arriving on other connections.
 #[derive(Clone)]
 pub struct Landing {
     alloc: Arc<dyn HostAllocator>,
     slot: usize,
-    check: BlockCheck,
+    spec: BlockSpec,
 }
 
 impl Landing {
-    /// Checks a value already in a block buffer.
-    pub(crate) fn check(&self, key: &BlockKey, buf: AlignedBuf) -> Result<AlignedBuf, String> {
-        (self.check)(key, buf)
+    /// Checks a value already in a block buffer (its length the value's,
+    /// its capacity at least a slot) and extends it to a whole local block
+    /// (zero padding); `Err` says why it was refused.
+    pub(crate) fn check(&self, key: &BlockKey, mut buf: AlignedBuf) -> Result<AlignedBuf, String> {
+        let len = buf.len();
+        self.spec.verify(&buf, key).map_err(|e| e.to_string())?;
+        if buf.capacity() < self.slot {
+            return Err(format!(
+                "{len} bytes in a buffer of {}, less than a block's {}",
+                buf.capacity(),
+                self.slot
+            ));
+        }
+        buf.set_len(self.slot);
+        buf[len..].fill(0);
+        Ok(buf)
     }
 
     /// Copies a value into a block buffer, then checks it.
@@ -221,9 +122,10 @@ impl Landing {
     }
 }
 
-/// A value read from the pool, copied into a zeroed block buffer of `slot`
-/// bytes from `alloc` with its length set to the value's. A value longer
-/// than a block comes back empty, so it fails verification.
+/// A value read from the pool, copied into a block buffer of `slot` bytes
+/// from `alloc` with its length set to the value's (the rest is zeroed by
+/// [`Landing::check`]). A value longer than a block comes back empty, so it
+/// fails verification.
 pub(crate) fn to_block_buf(
     value: &[u8],
     alloc: &Arc<dyn HostAllocator>,
@@ -232,7 +134,7 @@ pub(crate) fn to_block_buf(
     if value.len() > slot {
         return Ok(AlignedBuf::empty());
     }
-    let mut buf = AlignedBuf::zeroed_in(alloc, slot, DIRECT_IO_ALIGN)
+    let mut buf = AlignedBuf::for_overwrite_in(alloc, slot, DIRECT_IO_ALIGN)
         .map_err(|e| RemoteError::Backend(format!("no memory for a G4 block: {e}")))?;
     buf[..value.len()].copy_from_slice(value);
     buf.set_len(value.len());
@@ -245,7 +147,7 @@ pub type RemoteBlock = (BlockKey, Arc<AlignedBuf>, usize);
 
 /// The G4 tier (see the module docs). Thread-safe.
 pub struct RemoteTier {
-    backend: Arc<Backend>,
+    backend: Arc<dyn Backend>,
     rt: Option<tokio::runtime::Runtime>,
     breaker: Breaker,
     key_prefix: String,
@@ -268,19 +170,19 @@ impl std::fmt::Debug for RemoteTier {
 }
 
 impl RemoteTier {
-    /// Sets up the tier for blocks of `block_bytes` each (sizes the batches
-    /// and the buffers reads land in, which come from `alloc`); every value
-    /// read is passed through `check`. Does not connect: a pool that is down now is a run of
-    /// misses until it is up, not an error. Fails only on a configuration
-    /// that cannot work.
-    pub fn open(
+    /// Sets up the tier for blocks of `spec` (its slot size sizes the
+    /// batches and the buffers reads land in, which come from `alloc`);
+    /// every value read is verified against `spec`. Does not connect: a
+    /// pool that is down now is a run of misses until it is up, not an
+    /// error. Fails only on a configuration that cannot work.
+    pub(crate) fn open(
         config: &RemoteConfig,
-        block_bytes: u64,
+        spec: BlockSpec,
         alloc: Arc<dyn HostAllocator>,
-        check: BlockCheck,
         metrics: TierMetrics,
         remote: RemoteMetrics,
     ) -> Result<Self, RemoteError> {
+        let block_bytes = spec.layout.encoded_bytes();
         let target = config.target()?;
         if config.namespace.is_empty() || config.namespace.contains(['/', ' ']) {
             return Err(RemoteError::Config(format!(
@@ -304,11 +206,11 @@ impl RemoteTier {
         // Building some clients (object_store's HTTP client) wants a runtime.
         let backend = {
             let _guard = rt.enter();
-            Backend::open(config, &target)?
+            backend::open(config, &target)?
         };
         let batch_blocks = (config.batch_bytes / block_bytes.max(1)).clamp(1, 1 << 16) as usize;
         Ok(Self {
-            backend: Arc::new(backend),
+            backend,
             rt: Some(rt),
             breaker: Breaker::new(config.breaker),
             key_prefix,
@@ -318,7 +220,7 @@ impl RemoteTier {
             landing: Landing {
                 alloc,
                 slot: usize::try_from(block_bytes).unwrap_or(usize::MAX),
-                check,
+                spec,
             },
             metrics,
             remote,
@@ -342,7 +244,7 @@ impl RemoteTier {
 
     /// Runs one operation on the tier's runtime under the breaker and the
     /// time limit, and waits for it.
-    fn call<T, F>(&self, op: impl FnOnce(Arc<Backend>) -> F) -> Result<T, RemoteError>
+    fn call<T, F>(&self, op: impl FnOnce(Arc<dyn Backend>) -> F) -> Result<T, RemoteError>
     where
         T: Send + 'static,
         F: Future<Output = Result<T, RemoteError>> + Send + 'static,
@@ -414,6 +316,18 @@ impl RemoteTier {
     /// Reads `keys`, each into a block buffer and checked (`None`: absent,
     /// or the pool failed; `Some(Err)`: the value there was refused).
     pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Fetched> {
+        self.get_batches(keys, false)
+    }
+
+    /// [`get_many`](Self::get_many) for the keys of a prefix: no batch is
+    /// sent after one that held a miss (the prefix ends there), so a long
+    /// prompt whose prefix is short in the pool costs one batch, not one per
+    /// key. One GET per key, no EXISTS first.
+    pub fn get_leading(&self, keys: &[BlockKey]) -> Vec<Fetched> {
+        self.get_batches(keys, true)
+    }
+
+    fn get_batches(&self, keys: &[BlockKey], stop_at_miss: bool) -> Vec<Fetched> {
         let mut out: Vec<Fetched> = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(self.batch_blocks) {
             let names: Vec<String> = chunk.iter().map(|k| self.name(k)).collect();
@@ -424,7 +338,11 @@ impl RemoteTier {
                     self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
                     let bytes: usize = values.iter().flatten().flatten().map(AlignedBuf::len).sum();
                     self.metrics.read_bytes.inc_by(bytes as u64);
+                    let missed = values.iter().any(|v| !matches!(v, Some(Ok(_))));
                     out.extend(values);
+                    if stop_at_miss && missed {
+                        break;
+                    }
                 }
                 Err(_) => break,
             }

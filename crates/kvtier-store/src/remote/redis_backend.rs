@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
 use futures_util::stream;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
@@ -20,8 +21,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, RedisError, TlsCertificates};
 use tokio::sync::Mutex;
 
-use kvtier_io::AlignedBuf;
-
+use super::backend::{Backend, NamedValue};
 use super::config::{RemoteConfig, redact_url};
 use super::resp_get::{FastGet, NodeAddr};
 use super::{Fetched, Landing, RemoteError};
@@ -175,11 +175,6 @@ impl RedisBackend {
         })
     }
 
-    /// What to call this pool in logs.
-    pub fn shown(&self) -> &str {
-        &self.shown
-    }
-
     async fn conn(&self) -> Result<Conn, RemoteError> {
         let mut guard = self.conn.lock().await;
         if let Some(c) = guard.as_ref() {
@@ -235,61 +230,75 @@ impl RedisBackend {
         }
         Ok(out)
     }
+}
+
+impl Backend for RedisBackend {
+    fn shown(&self) -> &str {
+        &self.shown
+    }
 
     /// Which of `names` exist.
-    pub async fn exists(
-        &self,
-        names: &[String],
+    fn exists<'a>(
+        &'a self,
+        names: &'a [String],
         in_flight: usize,
-    ) -> Result<Vec<bool>, RemoteError> {
-        let cmds = per_name("EXISTS", names);
-        let counts: Vec<i64> = self.run_all(cmds, in_flight).await?;
-        Ok(counts.into_iter().map(|n| n > 0).collect())
+    ) -> BoxFuture<'a, Result<Vec<bool>, RemoteError>> {
+        Box::pin(async move {
+            let cmds = per_name("EXISTS", names);
+            let counts: Vec<i64> = self.run_all(cmds, in_flight).await?;
+            Ok(counts.into_iter().map(|n| n > 0).collect())
+        })
     }
 
     /// The values of `names` (the names of `keys`), each landed and
     /// checked by `landing`.
-    pub async fn get(
-        &self,
-        names: &[String],
-        keys: &[BlockKey],
+    fn get<'a>(
+        &'a self,
+        names: &'a [String],
+        keys: &'a [BlockKey],
         in_flight: usize,
-        landing: &Landing,
-    ) -> Result<Vec<Fetched>, RemoteError> {
-        if let Some(fast) = &self.fast {
-            return fast.clone().get(names, keys, in_flight, landing).await;
-        }
-        let cmds = per_name("GET", names);
-        let values: Vec<Option<Vec<u8>>> = self.run_all(cmds, in_flight).await?;
-        landing.land_all(values, keys)
+        landing: &'a Landing,
+    ) -> BoxFuture<'a, Result<Vec<Fetched>, RemoteError>> {
+        Box::pin(async move {
+            if let Some(fast) = &self.fast {
+                return fast.clone().get(names, keys, in_flight, landing).await;
+            }
+            let cmds = per_name("GET", names);
+            let values: Vec<Option<Vec<u8>>> = self.run_all(cmds, in_flight).await?;
+            landing.land_all(values, keys)
+        })
     }
 
     /// Writes every `(name, value)`.
-    pub async fn put(
+    fn put(
         &self,
-        items: Vec<(String, Arc<AlignedBuf>, usize)>,
+        items: Vec<NamedValue>,
         in_flight: usize,
-    ) -> Result<(), RemoteError> {
-        let cmds = items
-            .iter()
-            .map(|(n, buf, len)| {
-                let mut c = redis::cmd("SET");
-                c.arg(n).arg(&buf[..*len]);
-                if let Some(ttl) = self.ttl {
-                    c.arg("PX").arg(ttl.as_millis().max(1) as u64);
-                }
-                c
-            })
-            .collect();
-        let _: Vec<redis::Value> = self.run_all(cmds, in_flight).await?;
-        Ok(())
+    ) -> BoxFuture<'_, Result<(), RemoteError>> {
+        Box::pin(async move {
+            let cmds = items
+                .iter()
+                .map(|(n, buf, len)| {
+                    let mut c = redis::cmd("SET");
+                    c.arg(n).arg(&buf[..*len]);
+                    if let Some(ttl) = self.ttl {
+                        c.arg("PX").arg(ttl.as_millis().max(1) as u64);
+                    }
+                    c
+                })
+                .collect();
+            let _: Vec<redis::Value> = self.run_all(cmds, in_flight).await?;
+            Ok(())
+        })
     }
 
     /// Deletes `name` (a block that failed verification).
-    pub async fn delete(&self, name: &str) -> Result<(), RemoteError> {
-        let _: Vec<i64> = self
-            .run_all(per_name("DEL", &[name.to_string()]), 1)
-            .await?;
-        Ok(())
+    fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), RemoteError>> {
+        Box::pin(async move {
+            let _: Vec<i64> = self
+                .run_all(per_name("DEL", &[name.to_string()]), 1)
+                .await?;
+            Ok(())
+        })
     }
 }

@@ -8,16 +8,16 @@
 //! misses within the operation timeout.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
 use futures_util::stream;
-use kvtier_io::AlignedBuf;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path;
 use object_store::{ClientOptions, ObjectStoreExt, PutPayload, RetryConfig};
 
+use super::backend::{Backend, NamedValue};
 use super::config::S3Options;
 use super::{Fetched, Landing, RemoteError};
 use crate::key::BlockKey;
@@ -87,11 +87,6 @@ impl S3Backend {
         Ok(Self { store, shown })
     }
 
-    /// What to call this pool in logs.
-    pub fn shown(&self) -> &str {
-        &self.shown
-    }
-
     /// Runs `op` on every item, up to `in_flight` at once, results in
     /// order; the first error fails the batch.
     async fn each<I, T, Fut>(
@@ -113,66 +108,80 @@ impl S3Backend {
             .map(|r| r.map_err(|e| s3_err(&self.shown, &e)))
             .collect()
     }
+}
+
+impl Backend for S3Backend {
+    fn shown(&self) -> &str {
+        &self.shown
+    }
 
     /// Which of `names` exist.
-    pub async fn exists(
-        &self,
-        names: &[String],
+    fn exists<'a>(
+        &'a self,
+        names: &'a [String],
         in_flight: usize,
-    ) -> Result<Vec<bool>, RemoteError> {
-        self.each(paths(names), in_flight, |p| async move {
-            match self.store.head(&p).await {
-                Ok(_) => Ok(true),
-                Err(object_store::Error::NotFound { .. }) => Ok(false),
-                Err(e) => Err(e),
-            }
+    ) -> BoxFuture<'a, Result<Vec<bool>, RemoteError>> {
+        Box::pin(async move {
+            self.each(paths(names), in_flight, |p| async move {
+                match self.store.head(&p).await {
+                    Ok(_) => Ok(true),
+                    Err(object_store::Error::NotFound { .. }) => Ok(false),
+                    Err(e) => Err(e),
+                }
+            })
+            .await
         })
-        .await
     }
 
     /// The values of `names` (the names of `keys`), each landed and
     /// checked by `landing`.
-    pub async fn get(
-        &self,
-        names: &[String],
-        keys: &[BlockKey],
+    fn get<'a>(
+        &'a self,
+        names: &'a [String],
+        keys: &'a [BlockKey],
         in_flight: usize,
-        landing: &Landing,
-    ) -> Result<Vec<Fetched>, RemoteError> {
-        let values = self
-            .each(paths(names), in_flight, |p| async move {
-                match self.store.get(&p).await {
-                    Ok(r) => r.bytes().await.map(Some),
-                    Err(object_store::Error::NotFound { .. }) => Ok(None),
-                    Err(e) => Err(e),
-                }
-            })
-            .await?;
-        landing.land_all(values, keys)
+        landing: &'a Landing,
+    ) -> BoxFuture<'a, Result<Vec<Fetched>, RemoteError>> {
+        Box::pin(async move {
+            let values = self
+                .each(paths(names), in_flight, |p| async move {
+                    match self.store.get(&p).await {
+                        Ok(r) => r.bytes().await.map(Some),
+                        Err(object_store::Error::NotFound { .. }) => Ok(None),
+                        Err(e) => Err(e),
+                    }
+                })
+                .await?;
+            landing.land_all(values, keys)
+        })
     }
 
     /// Writes every `(name, value)`.
-    pub async fn put(
+    fn put(
         &self,
-        items: Vec<(String, Arc<AlignedBuf>, usize)>,
+        items: Vec<NamedValue>,
         in_flight: usize,
-    ) -> Result<(), RemoteError> {
-        self.each(items, in_flight, |(n, buf, len)| async move {
-            let payload = PutPayload::from(buf[..len].to_vec());
-            self.store
-                .put(&Path::from(n.as_str()), payload)
-                .await
-                .map(|_| ())
+    ) -> BoxFuture<'_, Result<(), RemoteError>> {
+        Box::pin(async move {
+            self.each(items, in_flight, |(n, buf, len)| async move {
+                let payload = PutPayload::from(buf[..len].to_vec());
+                self.store
+                    .put(&Path::from(n.as_str()), payload)
+                    .await
+                    .map(|_| ())
+            })
+            .await
+            .map(|_| ())
         })
-        .await
-        .map(|_| ())
     }
 
     /// Deletes `name` (a block that failed verification).
-    pub async fn delete(&self, name: &str) -> Result<(), RemoteError> {
-        self.store
-            .delete(&Path::from(name))
-            .await
-            .map_err(|e| s3_err(&self.shown, &e))
+    fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), RemoteError>> {
+        Box::pin(async move {
+            self.store
+                .delete(&Path::from(name))
+                .await
+                .map_err(|e| s3_err(&self.shown, &e))
+        })
     }
 }

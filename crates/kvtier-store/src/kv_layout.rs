@@ -2,15 +2,12 @@
 //! tokens it holds, and the element type.
 //!
 //! A [`KvLayout`] fixes the payload size of every block of a model, and so the
-//! size of its on-disk slot ([`KvLayout::encoded_bytes`]). It is also part of
+//! size of its on-disk slot ([`KvLayout::encoded_bytes`], defined with the
+//! block format in [`crate::block`]). It is also part of
 //! the key-chain seed (see [`crate::key::KeyChain`]), so KV computed with one
 //! layout or dtype can never be served to another.
 
 use std::fmt;
-
-use kvtier_io::buffer::DIRECT_IO_ALIGN;
-
-use crate::block::{BlockError, HEADER_BYTES};
 
 /// Largest payload a single block may carry (1 GiB). Layouts above it are
 /// rejected by [`KvLayout::validate`], which also bounds what a corrupt
@@ -119,17 +116,9 @@ impl KvLayout {
         self.checked_payload_bytes().unwrap_or(u64::MAX)
     }
 
-    /// Bytes one encoded block occupies on disk (its slot size): header plus
-    /// payload, rounded up to [`DIRECT_IO_ALIGN`].
-    ///
-    /// Saturates at `u64::MAX` for layouts that fail [`KvLayout::validate`].
-    pub fn encoded_bytes(&self) -> u64 {
-        slot_bytes(self.payload_bytes())
-    }
-
     /// Checks that every dimension is at least 1 and that the payload fits in
     /// [`MAX_PAYLOAD_BYTES`] without overflow.
-    pub fn validate(&self) -> Result<(), BlockError> {
+    pub fn validate(&self) -> Result<(), LayoutError> {
         for (name, v) in [
             ("layers", self.layers),
             ("kv_heads", self.kv_heads),
@@ -137,14 +126,12 @@ impl KvLayout {
             ("block_tokens", self.block_tokens),
         ] {
             if v == 0 {
-                return Err(BlockError::BadLayout(format!("{name} must be at least 1")));
+                return Err(LayoutError(format!("{name} must be at least 1")));
             }
         }
         match self.checked_payload_bytes() {
-            None => Err(BlockError::BadLayout(format!(
-                "payload size of {self} overflows u64"
-            ))),
-            Some(n) if n > MAX_PAYLOAD_BYTES => Err(BlockError::BadLayout(format!(
+            None => Err(LayoutError(format!("payload size of {self} overflows u64"))),
+            Some(n) if n > MAX_PAYLOAD_BYTES => Err(LayoutError(format!(
                 "payload of {n} bytes for {self} exceeds the {MAX_PAYLOAD_BYTES}-byte limit"
             ))),
             Some(_) => Ok(()),
@@ -162,15 +149,11 @@ impl fmt::Display for KvLayout {
     }
 }
 
-/// `HEADER_BYTES + payload`, rounded up to [`DIRECT_IO_ALIGN`]; saturates at
-/// `u64::MAX`.
-pub(crate) fn slot_bytes(payload: u64) -> u64 {
-    let align = DIRECT_IO_ALIGN as u64;
-    (HEADER_BYTES as u64)
-        .checked_add(payload)
-        .and_then(|n| n.checked_add(align - 1))
-        .map_or(u64::MAX, |n| n & !(align - 1))
-}
+/// A layout that cannot work: a zero dimension, an overflowing size, or a
+/// payload over [`MAX_PAYLOAD_BYTES`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct LayoutError(pub String);
 
 #[cfg(test)]
 mod tests {
@@ -248,7 +231,7 @@ mod tests {
                 ..l
             },
         ] {
-            assert!(matches!(bad.validate(), Err(BlockError::BadLayout(_))));
+            assert!(matches!(bad.validate(), Err(LayoutError(_))));
         }
         let huge = KvLayout {
             layers: u32::MAX,
@@ -260,7 +243,7 @@ mod tests {
         assert_eq!(huge.checked_payload_bytes(), None);
         assert_eq!(huge.payload_bytes(), u64::MAX);
         assert_eq!(huge.encoded_bytes(), u64::MAX);
-        assert!(matches!(huge.validate(), Err(BlockError::BadLayout(_))));
+        assert!(matches!(huge.validate(), Err(LayoutError(_))));
 
         // 1 GiB exactly is allowed; one more token's worth is not.
         let at_limit = KvLayout {
@@ -276,6 +259,6 @@ mod tests {
             block_tokens: (1 << 29) + 1,
             ..at_limit
         };
-        assert!(matches!(past.validate(), Err(BlockError::BadLayout(_))));
+        assert!(matches!(past.validate(), Err(LayoutError(_))));
     }
 }

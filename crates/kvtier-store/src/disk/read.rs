@@ -1,0 +1,139 @@
+//! G3 reads: a batch of keys read with many reads in flight, each block
+//! verified ([`BlockSpec::verify`](crate::verify::BlockSpec::verify)) as its
+//! read completes while the others are still in flight. A block that fails
+//! is a miss, dropped from the index and its header wiped; a read error is
+//! a miss that leaves the block indexed.
+
+use std::io;
+use std::time::Instant;
+
+use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoDone, IoOp};
+
+use super::{DiskRead, DiskTier, ReadOutcome};
+use crate::block::BlockError;
+use crate::key::BlockKey;
+
+impl DiskTier {
+    /// Reads `reqs` (key, buffer of at least one slot) with all reads in
+    /// flight at once up to the configured depth, verifies each block, and
+    /// hands every buffer back. Blocks being read are pinned: they cannot be
+    /// evicted or overwritten until their read completes. The buffers'
+    /// contents do not matter: a read overwrites the whole slot, and a short
+    /// read fails verification.
+    pub fn read_many(&self, reqs: Vec<(BlockKey, AlignedBuf)>) -> Vec<DiskRead> {
+        self.read_many_with(reqs, self.in_flight)
+    }
+
+    /// [`read_many`](Self::read_many) with an explicit in-flight depth.
+    pub fn read_many_with(
+        &self,
+        reqs: Vec<(BlockKey, AlignedBuf)>,
+        in_flight: usize,
+    ) -> Vec<DiskRead> {
+        let mut out: Vec<Option<DiskRead>> = (0..reqs.len()).map(|_| None).collect();
+        let mut plan: Vec<(usize, BlockKey, u32)> = Vec::new();
+        let mut bufs: Vec<AlignedBuf> = Vec::new();
+        {
+            let mut slots = self.slots.lock();
+            for (i, (key, mut buf)) in reqs.into_iter().enumerate() {
+                let outcome = if buf.capacity() < self.slot_bytes && slots.slot_of(&key).is_some() {
+                    ReadOutcome::Io(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        "read buffer smaller than a G3 slot",
+                    ))
+                } else if let Some(slot) = slots.pin(&key) {
+                    buf.set_len(self.slot_bytes);
+                    plan.push((i, key, slot));
+                    bufs.push(buf);
+                    continue;
+                } else {
+                    self.metrics.misses.inc();
+                    ReadOutcome::Miss
+                };
+                out[i] = Some(DiskRead { key, buf, outcome });
+            }
+        }
+        if plan.is_empty() {
+            return out.into_iter().flatten().collect();
+        }
+        let ops = plan
+            .iter()
+            .zip(bufs)
+            .map(|(&(_, _, slot), buf)| {
+                let (file, off) = self.locate(slot);
+                IoOp::read(file, off, buf)
+            })
+            .collect();
+        // Each block is verified as its read completes, while the rest are
+        // still in flight, so checksums overlap I/O.
+        let verify = |j: usize, d: &IoDone| -> Option<Result<(), BlockError>> {
+            let key = plan.get(j).map(|p| p.1)?;
+            d.result.as_ref().ok()?;
+            Some(self.spec.verify(&d.buf, &key).map(|_| ()))
+        };
+        let t = Instant::now();
+        let done = self.engine.run_batch_map(ops, in_flight, verify);
+        self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
+        let mut wipe: Vec<u32> = Vec::new();
+        let mut slots = self.slots.lock();
+        for (&(i, key, slot), (d, verified)) in plan.iter().zip(done) {
+            let outcome = match (d.result, verified) {
+                (Err(e), _) => ReadOutcome::Io(e),
+                (Ok(_), Some(Ok(()))) => ReadOutcome::Hit,
+                (Ok(_), Some(Err(e))) => ReadOutcome::Corrupt(e),
+                (Ok(_), None) => ReadOutcome::Io(io::Error::other("read not verified")),
+            };
+            let corrupt = matches!(outcome, ReadOutcome::Corrupt(_));
+            if slots.unpin(slot, &key, corrupt, &mut wipe)
+                && let ReadOutcome::Corrupt(e) = &outcome
+            {
+                tracing::warn!("G3 block {key} failed verification ({e}); deleting it");
+                self.metrics.corrupt_blocks.inc();
+            }
+            match &outcome {
+                ReadOutcome::Hit => {
+                    self.metrics.hits.inc();
+                    self.metrics.read_bytes.inc_by(self.slot_bytes as u64);
+                }
+                ReadOutcome::Corrupt(_) => {
+                    self.metrics.misses.inc();
+                }
+                ReadOutcome::Io(e) => {
+                    tracing::warn!("G3 read of {key} failed: {e}");
+                    self.metrics.misses.inc();
+                }
+                ReadOutcome::Miss => {}
+            }
+            if let Some(buf) = d.buf.into_owned() {
+                out[i] = Some(DiskRead { key, buf, outcome });
+            }
+        }
+        self.set_occupancy(&slots);
+        drop(slots);
+        if !wipe.is_empty() {
+            self.wipe(&wipe);
+        }
+        out.into_iter().flatten().collect()
+    }
+
+    /// Reads blocks into buffers from the allocation hook; `None` for a miss
+    /// (including a corrupt block, which is deleted).
+    pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<AlignedBuf>> {
+        let reqs = keys
+            .iter()
+            .map(|key| {
+                let buf =
+                    AlignedBuf::for_overwrite_in(&self.alloc, self.slot_bytes, DIRECT_IO_ALIGN)
+                        .unwrap_or_else(|e| {
+                            tracing::warn!("G3 read buffer allocation failed: {e}");
+                            AlignedBuf::empty()
+                        });
+                (*key, buf)
+            })
+            .collect();
+        self.read_many(reqs)
+            .into_iter()
+            .map(|r| matches!(r.outcome, ReadOutcome::Hit).then_some(r.buf))
+            .collect()
+    }
+}

@@ -1,0 +1,622 @@
+//! [`TieredStore`]: G2 memory over G3 disk and G4 shared pool, with prefix
+//! lookup, batched verified reads, asynchronous write-back and promotion.
+//!
+//! * `put_many` encodes blocks into G2 and `offer` takes blocks already
+//!   encoded in place ([`BlockBuf`]). Blocks G2 evicts are **demoted** to G3
+//!   by a background writer (write-back, [`write_back`]), never on a
+//!   reader's path; they stay readable from the write-back queue
+//!   ([`pending`]) until written. `put_many` waits (backpressure) while more
+//!   than `writeback_max_bytes` are queued; `offer` never waits: blocks past
+//!   the bound are dropped from the cache and counted
+//!   (`kvtier_store_writeback_dropped`), so a decode loop never stalls on
+//!   the disk.
+//! * `lookup_prefix` counts the leading keys held in any tier, without
+//!   reading them.
+//! * `read_prefix` reads the leading blocks held in any tier in one pass
+//!   ([`read`]): each key is looked up once, G3 reads and G4 GETs are in
+//!   flight together, every block is verified, the walk stops at the first
+//!   miss. `read_prefix_async` runs it on the store's reader threads and
+//!   hands back a [`Handle`]. `get_many` reads any set of keys the same way.
+//!   G3 and G4 hits are promoted into G2.
+//! * With G4 ([`StoreConfig::remote`]), blocks put are also written through
+//!   to the shared pool by a second background writer ([`write_through`],
+//!   subject to the admission filter), dropped and counted when its queue is
+//!   full or the pool is down. A failing G4 is misses, never an error.
+//! * Dropping the last handle (or [`TieredStore::close`]) writes every block
+//!   not yet on disk to G3 and syncs it, so a clean stop keeps the cache.
+
+mod pending;
+mod read;
+mod write_back;
+mod write_through;
+mod writer;
+
+use std::sync::Arc;
+
+use kvtier_io::recycle::RecyclingAllocator;
+use kvtier_io::{AlignedBuf, HostAllocator, IoEngine};
+use parking_lot::Mutex;
+
+use crate::admission::SecondSighting;
+use crate::block::{BlockBuf, BlockError, HEADER_BYTES, encode_block};
+use crate::disk::{DiskConfig, DiskError, DiskTier};
+use crate::handle::Handle;
+use crate::key::{BlockKey, ModelFingerprint};
+use crate::kv_layout::KvLayout;
+use crate::memory::{Evicted, MemoryTier};
+use crate::metrics::{StoreMetrics, Tier};
+use crate::remote::{RemoteConfig, RemoteError, RemoteTier};
+use crate::verify::BlockSpec;
+use crate::workers::Workers;
+use write_back::{LocalBlock, WriteBack};
+use write_through::WriteThrough;
+
+/// Configuration of a [`TieredStore`].
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Layout of every block (fixes the block and slot size).
+    pub layout: KvLayout,
+    /// Model the blocks belong to (written into every header).
+    pub fingerprint: ModelFingerprint,
+    /// G2 capacity in bytes (0: no G2; puts go straight to write-back).
+    pub memory_bytes: u64,
+    /// G3, if any. Its `layout` and `fingerprint` are set from this config's.
+    pub disk: Option<DiskConfig>,
+    /// Write a block to G3 only once it was seen twice (put or hit).
+    pub admit_on_second_sighting: bool,
+    /// Distinct keys the admission filter remembers.
+    pub admission_window: usize,
+    /// Bytes of evicted blocks that may wait for write-back before puts wait.
+    pub writeback_max_bytes: u64,
+    /// Write dirty G2 blocks to G3 when the store closes.
+    pub persist_on_close: bool,
+    /// G4, a pool shared with other nodes, if any.
+    pub remote: Option<RemoteConfig>,
+}
+
+impl StoreConfig {
+    /// Defaults: 1 GiB G2, no G3, admission filter off, 256 MiB write-back
+    /// queue, persist on close.
+    pub fn new(layout: KvLayout, fingerprint: ModelFingerprint) -> Self {
+        Self {
+            layout,
+            fingerprint,
+            memory_bytes: 1 << 30,
+            disk: None,
+            admit_on_second_sighting: false,
+            admission_window: 1 << 20,
+            writeback_max_bytes: 256 << 20,
+            persist_on_close: true,
+            remote: None,
+        }
+    }
+}
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The configuration cannot work.
+    #[error("bad store configuration: {0}")]
+    Config(String),
+    /// The disk tier failed to open or write.
+    #[error(transparent)]
+    Disk(#[from] DiskError),
+    /// A block could not be encoded (wrong payload length, allocation).
+    #[error(transparent)]
+    Block(#[from] BlockError),
+    /// A background task failed.
+    #[error("store task failed: {0}")]
+    Task(String),
+    /// The G4 configuration cannot work (a pool that is down is not an
+    /// error: it is misses).
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
+}
+
+/// How far a prefix is cached, and where each block is.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PrefixLookup {
+    /// The tier of each leading cached key; its length is the hit count.
+    pub tiers: Vec<Tier>,
+}
+
+impl PrefixLookup {
+    /// Leading keys found.
+    pub fn hits(&self) -> usize {
+        self.tiers.len()
+    }
+
+    /// Leading keys found in `tier`.
+    pub fn hits_in(&self, tier: Tier) -> usize {
+        self.tiers.iter().filter(|&&t| t == tier).count()
+    }
+}
+
+/// A block read from the store.
+#[derive(Debug, Clone)]
+pub struct StoredBlock {
+    /// Its key.
+    pub key: BlockKey,
+    /// Where it was found.
+    pub tier: Tier,
+    buf: Arc<AlignedBuf>,
+    payload_len: usize,
+}
+
+impl StoredBlock {
+    /// The KV bytes.
+    pub fn payload(&self) -> &[u8] {
+        &self.buf[HEADER_BYTES..HEADER_BYTES + self.payload_len]
+    }
+
+    /// The whole encoded block (header, payload, padding).
+    pub fn encoded(&self) -> &Arc<AlignedBuf> {
+        &self.buf
+    }
+}
+
+/// What a `put_many` or `offer` did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PutReport {
+    /// Blocks stored in G2 (or queued for G3).
+    pub stored: usize,
+    /// Blocks already in G2, left as they were.
+    pub present: usize,
+}
+
+/// Counts of what each tier holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Blocks in G2.
+    pub g2_blocks: usize,
+    /// Bytes in G2.
+    pub g2_bytes: u64,
+    /// Blocks in G3.
+    pub g3_blocks: usize,
+    /// Slots in G3.
+    pub g3_slots: usize,
+    /// Blocks waiting for write-back.
+    pub writeback_pending: usize,
+}
+
+/// Threads that run [`TieredStore::read_prefix_async`].
+const READ_WORKERS: usize = 2;
+
+struct Inner {
+    layout: KvLayout,
+    fingerprint: ModelFingerprint,
+    memory: Arc<MemoryTier>,
+    write_back: Option<WriteBack>,
+    write_through: Option<WriteThrough>,
+    admission: Option<Mutex<SecondSighting>>,
+    persist_on_close: bool,
+    metrics: Arc<StoreMetrics>,
+    alloc: Arc<dyn HostAllocator>,
+    readers: Workers,
+}
+
+/// The tiered KV block store. Cheap to clone (shared handle); thread-safe.
+#[derive(Clone)]
+pub struct TieredStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for TieredStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TieredStore")
+            .field("layout", &self.inner.layout)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl TieredStore {
+    /// Opens a store with the shared I/O engine and a recycling allocator
+    /// (up to 256 MiB of freed block buffers are kept for reuse, so reads
+    /// from G3 land in memory that is already faulted in).
+    pub fn open(config: StoreConfig) -> Result<Self, StoreError> {
+        let slot = config.layout.encoded_bytes().max(1);
+        let keep = ((256u64 << 20) / slot).clamp(8, 4096) as usize;
+        let alloc: Arc<dyn HostAllocator> = Arc::new(RecyclingAllocator::new(keep));
+        Self::open_with(config, IoEngine::shared().clone(), alloc)
+    }
+
+    /// Opens a store with an explicit I/O engine and allocation hook (the
+    /// hook is where pinned host memory plugs in).
+    pub fn open_with(
+        config: StoreConfig,
+        engine: IoEngine,
+        alloc: Arc<dyn HostAllocator>,
+    ) -> Result<Self, StoreError> {
+        config.layout.validate().map_err(BlockError::from)?;
+        let spec = BlockSpec {
+            layout: config.layout,
+            fingerprint: Some(config.fingerprint),
+        };
+        let metrics = Arc::new(StoreMetrics::new());
+        let memory = Arc::new(MemoryTier::new(config.memory_bytes, metrics.g2.clone()));
+        let write_back = match config.disk {
+            Some(mut dc) => {
+                dc.layout = spec.layout;
+                dc.fingerprint = spec.fingerprint;
+                let disk = Arc::new(DiskTier::open(
+                    dc,
+                    engine.clone(),
+                    alloc.clone(),
+                    metrics.g3.clone(),
+                )?);
+                metrics.set_io_mode(Tier::G3, engine.backend().name(), disk.direct());
+                Some(WriteBack::open(
+                    disk,
+                    memory.clone(),
+                    config.writeback_max_bytes,
+                    metrics.clone(),
+                )?)
+            }
+            None => None,
+        };
+        let admission = config
+            .admit_on_second_sighting
+            .then(|| Mutex::new(SecondSighting::new(config.admission_window)));
+        let write_through = match &config.remote {
+            Some(rc) => Some(WriteThrough::open(rc, spec, alloc.clone(), &metrics)?),
+            None => None,
+        };
+        let readers = Workers::spawn("kvtier-read", READ_WORKERS)
+            .map_err(|e| StoreError::Task(format!("cannot start the reader threads: {e}")))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                layout: config.layout,
+                fingerprint: config.fingerprint,
+                memory,
+                write_back,
+                write_through,
+                admission,
+                persist_on_close: config.persist_on_close,
+                metrics,
+                alloc,
+                readers,
+            }),
+        })
+    }
+
+    /// The block layout.
+    pub fn layout(&self) -> KvLayout {
+        self.inner.layout
+    }
+
+    /// The model fingerprint.
+    pub fn fingerprint(&self) -> ModelFingerprint {
+        self.inner.fingerprint
+    }
+
+    /// The metrics (render with [`StoreMetrics::render`]).
+    pub fn metrics(&self) -> &Arc<StoreMetrics> {
+        &self.inner.metrics
+    }
+
+    /// The G3 tier, if configured.
+    pub fn disk(&self) -> Option<&DiskTier> {
+        self.inner.write_back.as_ref().map(|w| &*w.disk)
+    }
+
+    /// The G2 tier.
+    pub fn memory(&self) -> &MemoryTier {
+        &self.inner.memory
+    }
+
+    /// The G4 tier, if configured.
+    pub fn remote(&self) -> Option<&RemoteTier> {
+        self.inner.write_through.as_ref().map(|r| &*r.tier)
+    }
+
+    /// What each tier holds now.
+    pub fn stats(&self) -> StoreStats {
+        let inner = &self.inner;
+        let disk = self.disk();
+        StoreStats {
+            g2_blocks: inner.memory.len(),
+            g2_bytes: inner.memory.used_bytes(),
+            g3_blocks: disk.map_or(0, DiskTier::len),
+            g3_slots: disk.map_or(0, DiskTier::capacity_slots),
+            writeback_pending: inner.write_back.as_ref().map_or(0, |w| w.pending.len()),
+        }
+    }
+
+    /// The local tier holding each key (G2 includes the write-back queue),
+    /// each tier's lock taken once.
+    fn local_tiers(&self, keys: &[BlockKey]) -> Vec<Option<Tier>> {
+        let inner = &self.inner;
+        let in_g2 = inner.memory.contains_many(keys);
+        let queued = match &inner.write_back {
+            Some(w) => w.pending.get_many(keys),
+            None => vec![None; keys.len()],
+        };
+        let in_g3 = self
+            .disk()
+            .map_or_else(|| vec![false; keys.len()], |d| d.contains_many(keys));
+        (0..keys.len())
+            .map(|i| {
+                if in_g2[i] || queued[i].is_some() {
+                    Some(Tier::G2)
+                } else if in_g3[i] {
+                    Some(Tier::G3)
+                } else {
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// How many leading `keys` are cached, and in which tier each is,
+    /// without reading them (no side effects). The keys past the local
+    /// prefix are looked up in G4 in one batch.
+    pub fn lookup_prefix(&self, keys: &[BlockKey]) -> PrefixLookup {
+        let local = self.local_tiers(keys);
+        let mut tiers: Vec<Tier> = local.iter().map_while(|t| *t).collect();
+        if let Some(remote) = self.remote()
+            && tiers.len() < keys.len()
+        {
+            let rest = tiers.len();
+            let in_g4 = remote.contains_many(&keys[rest..]);
+            for (tier, found) in local[rest..].iter().zip(in_g4) {
+                match tier {
+                    Some(t) => tiers.push(*t),
+                    None if found => tiers.push(Tier::G4),
+                    None => break,
+                }
+            }
+        }
+        PrefixLookup { tiers }
+    }
+
+    /// Stores `(key, payload)` blocks in G2; blocks G2 evicts are written
+    /// back to G3 in the background. Waits only when the write-back queue is
+    /// over its byte limit. A payload of the wrong length is an error and
+    /// stores nothing from the call.
+    pub fn put_many(&self, blocks: &[(BlockKey, &[u8])]) -> Result<PutReport, StoreError> {
+        let inner = &self.inner;
+        let mut encoded = Vec::with_capacity(blocks.len());
+        let mut present = 0;
+        for (key, payload) in blocks {
+            if inner.memory.contains(key) {
+                present += 1;
+                continue;
+            }
+            let buf = encode_block(
+                *key,
+                inner.fingerprint,
+                inner.layout,
+                0,
+                payload,
+                &inner.alloc,
+            )?;
+            encoded.push((*key, Arc::new(buf)));
+        }
+        self.record_sightings(blocks.iter().map(|(k, _)| k));
+        let mut report = self.insert(encoded, true);
+        report.present += present;
+        Ok(report)
+    }
+
+    /// A buffer for one block of this store's layout, to be filled in place
+    /// and handed to [`offer`](Self::offer).
+    pub fn new_block(&self) -> Result<BlockBuf, StoreError> {
+        Ok(BlockBuf::new(self.inner.layout, &self.inner.alloc)?)
+    }
+
+    /// Stores blocks filled in place (sealed here with this store's model)
+    /// like [`put_many`](Self::put_many), but never waits: when the
+    /// write-back queue is over its bound, the blocks G2 evicts past it are
+    /// dropped from the cache and counted instead. For callers on a
+    /// latency-critical thread (an engine's decode loop).
+    pub fn offer(&self, blocks: Vec<(BlockKey, BlockBuf)>) -> PutReport {
+        let inner = &self.inner;
+        self.record_sightings(blocks.iter().map(|(k, _)| k));
+        let mut present = 0;
+        let mut encoded = Vec::with_capacity(blocks.len());
+        for (key, block) in blocks {
+            if inner.memory.contains(&key) {
+                present += 1;
+                continue;
+            }
+            encoded.push((key, Arc::new(block.seal(key, inner.fingerprint, 0))));
+        }
+        let mut report = self.insert(encoded, false);
+        report.present += present;
+        report
+    }
+
+    /// Writes encoded blocks through to G4, inserts them into G2 and
+    /// demotes what G2 evicts; `wait` for room in the write-back queue
+    /// first, or drop past its bound.
+    fn insert(&self, encoded: Vec<LocalBlock>, wait: bool) -> PutReport {
+        let inner = &self.inner;
+        self.write_through(&encoded);
+        if wait && let Some(w) = &inner.write_back {
+            w.pending.wait_for_room();
+        }
+        let persisted = match self.disk() {
+            Some(d) => d.contains_many(&encoded.iter().map(|(k, _)| *k).collect::<Vec<_>>()),
+            None => vec![false; encoded.len()],
+        };
+        let stored = encoded.len();
+        let mut evicted = Vec::new();
+        for ((key, buf), persisted) in encoded.into_iter().zip(persisted) {
+            // A block G3 already holds needs no write-back when evicted.
+            evicted.extend(inner.memory.insert(key, buf, persisted));
+        }
+        self.demote(evicted, !wait);
+        PutReport { stored, present: 0 }
+    }
+
+    /// Queues newly stored blocks for G4 (subject to the admission filter).
+    fn write_through(&self, blocks: &[LocalBlock]) {
+        let inner = &self.inner;
+        let Some(w) = &inner.write_through else {
+            return;
+        };
+        let sent_len = HEADER_BYTES + inner.layout.payload_bytes() as usize;
+        let batch = blocks
+            .iter()
+            .filter(|(k, _)| self.admits(k))
+            .map(|(k, b)| (*k, b.clone(), sent_len))
+            .collect();
+        w.queue(batch, &inner.metrics);
+    }
+
+    fn admits(&self, key: &BlockKey) -> bool {
+        self.inner
+            .admission
+            .as_ref()
+            .is_none_or(|a| a.lock().admits(key))
+    }
+
+    fn record_sightings<'a>(&self, keys: impl Iterator<Item = &'a BlockKey>) {
+        if let Some(adm) = &self.inner.admission {
+            let mut adm = adm.lock();
+            for k in keys {
+                adm.record(k);
+            }
+        }
+    }
+
+    /// Queues evicted blocks that G3 lacks for write-back (subject to the
+    /// admission filter); with `drop_over`, never past the queue's bound.
+    /// Without G3 they are simply dropped: G2 is a cache.
+    fn demote(&self, evicted: Vec<Evicted>, drop_over: bool) {
+        let inner = &self.inner;
+        let Some(w) = &inner.write_back else {
+            return;
+        };
+        let mut batch = Vec::new();
+        for e in evicted {
+            if e.persisted {
+                continue;
+            }
+            if !self.admits(&e.key) {
+                inner.metrics.admission_rejected.inc();
+                continue;
+            }
+            batch.push((e.key, e.buf));
+        }
+        if !batch.is_empty() {
+            w.demote(batch, drop_over, &inner.metrics);
+        }
+    }
+
+    /// Writes every block not yet in G3 (evicted or still in G2) and syncs
+    /// G3, and waits until every block queued for G4 was written (or
+    /// dropped, if G4 is failing). Returns once G3 is durable.
+    pub fn flush(&self) -> Result<(), StoreError> {
+        let inner = &self.inner;
+        if let Some(w) = &inner.write_through {
+            w.flush();
+        }
+        match &inner.write_back {
+            Some(w) => w.flush(inner.memory.dirty()),
+            None => Ok(()),
+        }
+    }
+
+    /// Empties G2 (demoting every block G3 lacks) and flushes, so the next
+    /// reads come from G3. Used to measure restores from disk.
+    pub fn evict_memory(&self) -> Result<(), StoreError> {
+        let drained = self.inner.memory.drain();
+        self.demote(drained, false);
+        self.flush()
+    }
+
+    /// Flushes (when configured to persist on close) and stops the writers.
+    /// Dropping the last handle does the same.
+    pub fn close(self) -> Result<(), StoreError> {
+        let r = if self.inner.persist_on_close {
+            self.flush()
+        } else {
+            Ok(())
+        };
+        self.inner.stop_writers();
+        r
+    }
+
+    /// [`get_many`](Self::get_many) on tokio's blocking pool.
+    pub async fn get_many_async(
+        &self,
+        keys: Vec<BlockKey>,
+    ) -> Result<Vec<Option<StoredBlock>>, StoreError> {
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || store.get_many(&keys))
+            .await
+            .map_err(|e| StoreError::Task(e.to_string()))
+    }
+
+    /// [`put_many`](Self::put_many) on tokio's blocking pool.
+    pub async fn put_many_async(
+        &self,
+        blocks: Vec<(BlockKey, Vec<u8>)>,
+    ) -> Result<PutReport, StoreError> {
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let refs: Vec<(BlockKey, &[u8])> =
+                blocks.iter().map(|(k, p)| (*k, p.as_slice())).collect();
+            store.put_many(&refs)
+        })
+        .await
+        .map_err(|e| StoreError::Task(e.to_string()))?
+    }
+
+    /// [`read_prefix`](Self::read_prefix) on the store's reader threads:
+    /// returns at once; `notify` runs when the handle is done (from a
+    /// reader thread: keep it short, e.g. wake an event loop).
+    pub fn read_prefix_async(
+        &self,
+        keys: Vec<BlockKey>,
+        notify: impl FnOnce() + Send + 'static,
+    ) -> Handle<Vec<StoredBlock>> {
+        let (handle, completer) = crate::handle::pair(Box::new(notify));
+        let store = self.clone();
+        let job = Box::new(move || {
+            if !completer.is_cancelled() {
+                let blocks = store.read_prefix(&keys);
+                completer.complete(blocks);
+            }
+        });
+        if let Err(job) = self.inner.readers.submit(job) {
+            // No reader thread: run it here rather than lose it.
+            job();
+        }
+        handle
+    }
+}
+
+impl Inner {
+    fn stop_writers(&self) {
+        if let Some(w) = &self.write_through {
+            w.stop();
+        }
+        if let Some(w) = &self.write_back {
+            w.stop();
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(w) = &self.write_through {
+            w.stop();
+        }
+        if let Some(w) = &self.write_back
+            && !w.is_stopped()
+        {
+            let dirty = if self.persist_on_close {
+                self.memory.dirty()
+            } else {
+                Vec::new()
+            };
+            if let Err(e) = w.flush(dirty) {
+                tracing::warn!("G3 write-back at close failed: {e}");
+            }
+            w.stop();
+        }
+    }
+}

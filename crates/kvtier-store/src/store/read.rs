@@ -1,0 +1,166 @@
+//! Reads through the tiers in one pass: every key is looked up once (one
+//! lock per tier for the whole batch), G3 reads and G4 GETs run at the same
+//! time, every block is verified where it lands, and hits from below G2 are
+//! promoted into G2.
+//!
+//! [`TieredStore::read_prefix`] wants the leading run of cached blocks: it
+//! reads G3 only up to the first key no local tier holds when there is no
+//! G4, asks G4 with GETs alone (no EXISTS first) and sends no GET batch
+//! after one that missed, and cuts the result at the first miss.
+
+use std::sync::Arc;
+
+use kvtier_io::AlignedBuf;
+
+use super::{StoredBlock, TieredStore};
+use crate::key::BlockKey;
+use crate::metrics::Tier;
+use crate::remote::Fetched;
+
+impl TieredStore {
+    /// Reads `keys`: G2 hits from memory, every G3 hit in one batch with
+    /// all reads in flight and every G4 hit in GET batches, at the same
+    /// time, each verified. `None` for a miss (a block that failed
+    /// verification is a miss, and is deleted from its tier).
+    pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<StoredBlock>> {
+        self.fetch(keys, false)
+    }
+
+    /// The longest run of leading `keys` cached in any tier, read and
+    /// verified in one pass (see the module docs); the blocks of that run,
+    /// in order.
+    pub fn read_prefix(&self, keys: &[BlockKey]) -> Vec<StoredBlock> {
+        self.fetch(keys, true)
+            .into_iter()
+            .map_while(|b| b)
+            .collect()
+    }
+
+    fn fetch(&self, keys: &[BlockKey], leading: bool) -> Vec<Option<StoredBlock>> {
+        let inner = &self.inner;
+        let payload_len = inner.layout.payload_bytes() as usize;
+        let block = |i: usize, tier: Tier, buf: Arc<AlignedBuf>| StoredBlock {
+            key: keys[i],
+            tier,
+            buf,
+            payload_len,
+        };
+
+        // G2: blocks waiting for write-back are still G2 hits.
+        let mut in_g2 = match &inner.write_back {
+            Some(w) => w.pending.get_many(keys),
+            None => vec![None; keys.len()],
+        };
+        let queued = in_g2.iter().filter(|b| b.is_some()).count();
+        if queued > 0 {
+            let g2 = &inner.metrics.g2;
+            g2.hits.inc_by(queued as u64);
+            let bytes: usize = in_g2.iter().flatten().map(|b| b.len()).sum();
+            g2.read_bytes.inc_by(bytes as u64);
+        }
+        inner.memory.get_many(keys, &mut in_g2);
+        let mut out: Vec<Option<StoredBlock>> = in_g2
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| b.map(|b| block(i, Tier::G2, b)))
+            .collect();
+        self.record_sightings(
+            keys.iter()
+                .zip(&out)
+                .filter(|(_, b)| b.is_some())
+                .map(|(k, _)| k),
+        );
+
+        // Below G2: which keys G3 holds (one lock), the rest from G4.
+        let missing: Vec<usize> = (0..keys.len()).filter(|&i| out[i].is_none()).collect();
+        let missing_keys: Vec<BlockKey> = missing.iter().map(|&i| keys[i]).collect();
+        let in_g3 = match self.disk() {
+            Some(d) => d.contains_many(&missing_keys),
+            None => vec![false; missing.len()],
+        };
+        let remote = self.remote();
+        let (mut from_g3, mut from_g4) = (Vec::new(), Vec::new());
+        let has_g3 = self.disk().is_some();
+        for (&i, held) in missing.iter().zip(in_g3) {
+            if held {
+                from_g3.push(i);
+                continue;
+            }
+            if has_g3 {
+                inner.metrics.g3.misses.inc();
+            }
+            if remote.is_some() {
+                from_g4.push(i);
+            } else if leading {
+                // No tier holds it: the prefix ends here.
+                break;
+            }
+        }
+        let g3_keys: Vec<BlockKey> = from_g3.iter().map(|&i| keys[i]).collect();
+        let g4_keys: Vec<BlockKey> = from_g4.iter().map(|&i| keys[i]).collect();
+        let read_g3 = || match self.disk() {
+            Some(d) if !g3_keys.is_empty() => d.get_many(&g3_keys),
+            _ => Vec::new(),
+        };
+        let read_g4 = || match remote {
+            Some(r) if !g4_keys.is_empty() && leading => r.get_leading(&g4_keys),
+            Some(r) if !g4_keys.is_empty() => r.get_many(&g4_keys),
+            _ => Vec::new(),
+        };
+        // Both tiers' reads in flight at once: G4 on a second thread (it
+        // mostly waits on the network), G3 here.
+        let (got_g3, got_g4) = if g3_keys.is_empty() || g4_keys.is_empty() {
+            (read_g3(), read_g4())
+        } else {
+            std::thread::scope(|s| {
+                let g4 = s.spawn(read_g4);
+                let g3 = read_g3();
+                (g3, g4.join().unwrap_or_default())
+            })
+        };
+
+        let mut evicted = Vec::new();
+        for (&i, buf) in from_g3.iter().zip(got_g3) {
+            let Some(buf) = buf else { continue };
+            let buf = Arc::new(buf);
+            evicted.extend(inner.memory.insert(keys[i], buf.clone(), true));
+            out[i] = Some(block(i, Tier::G3, buf));
+        }
+        for (&i, got) in from_g4.iter().zip(got_g4) {
+            let Some(buf) = self.landed_g4(&keys[i], got) else {
+                continue;
+            };
+            let buf = Arc::new(buf);
+            // Not persisted locally: G3 gets it when G2 evicts it.
+            evicted.extend(inner.memory.insert(keys[i], buf.clone(), false));
+            out[i] = Some(block(i, Tier::G4, buf));
+        }
+        self.demote(evicted, false);
+        out
+    }
+
+    /// A G4 result as a hit or a miss, counted; a value refused by the
+    /// check is deleted from the pool so no node reads it again.
+    fn landed_g4(&self, key: &BlockKey, got: Fetched) -> Option<AlignedBuf> {
+        let g4 = &self.inner.metrics.g4;
+        match got {
+            Some(Ok(buf)) => {
+                g4.hits.inc();
+                Some(buf)
+            }
+            Some(Err(why)) => {
+                tracing::warn!("G4 block {key} failed verification ({why}); deleting it");
+                g4.corrupt_blocks.inc();
+                g4.misses.inc();
+                if let Some(r) = self.remote() {
+                    r.delete(key);
+                }
+                None
+            }
+            None => {
+                g4.misses.inc();
+                None
+            }
+        }
+    }
+}

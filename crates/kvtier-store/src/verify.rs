@@ -1,0 +1,116 @@
+//! The one check every block passes before any tier serves it: both
+//! checksums and the header's own rules ([`decode_block`]), the key asked
+//! for, the reader's layout and, where the reader knows it, its model.
+//!
+//! G3 runs it as each read completes, G4 where each value lands; a block
+//! that fails is a miss, deleted from its tier, never served. G2 holds only
+//! blocks that were encoded here or passed this check on their way in.
+
+use crate::block::{BlockError, BlockHeader, decode_block};
+use crate::key::{BlockKey, ModelFingerprint};
+use crate::kv_layout::KvLayout;
+
+/// What a reader expects of the blocks it reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSpec {
+    /// The layout every block must have.
+    pub layout: KvLayout,
+    /// The model every block must come from; `None` accepts any model
+    /// (a G3 shared by several models of one layout: keys are seeded by the
+    /// fingerprint, so another model's block never has the key asked for).
+    pub fingerprint: Option<ModelFingerprint>,
+}
+
+impl BlockSpec {
+    /// Checks `bytes` (an encoded block, padding allowed) as the block
+    /// stored under `key`; returns its header.
+    pub fn verify(&self, bytes: &[u8], key: &BlockKey) -> Result<BlockHeader, BlockError> {
+        let (header, _) = decode_block(bytes, Some(key))?;
+        if header.layout != self.layout {
+            return Err(BlockError::LayoutMismatch {
+                expected: self.layout,
+                found: header.layout,
+            });
+        }
+        if let Some(fp) = self.fingerprint
+            && header.fingerprint != fp
+        {
+            return Err(BlockError::FingerprintMismatch {
+                expected: fp,
+                found: header.fingerprint,
+            });
+        }
+        Ok(header)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvtier_io::system_allocator;
+
+    use super::*;
+    use crate::block::encode_block;
+    use crate::kv_layout::KvDtype;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 8,
+            block_tokens: 4,
+            dtype: KvDtype::F32,
+        }
+    }
+
+    #[test]
+    fn key_layout_model_and_checksums_are_each_checked() {
+        let fp = ModelFingerprint::of_bytes(b"m");
+        let key = BlockKey([7; 16]);
+        let payload = vec![3u8; layout().payload_bytes() as usize];
+        let block = encode_block(key, fp, layout(), 0, &payload, &system_allocator()).unwrap();
+        let spec = BlockSpec {
+            layout: layout(),
+            fingerprint: Some(fp),
+        };
+        assert_eq!(spec.verify(&block, &key).unwrap().key, key);
+        assert!(matches!(
+            spec.verify(&block, &BlockKey([8; 16])),
+            Err(BlockError::KeyMismatch { .. })
+        ));
+        let other_model = BlockSpec {
+            fingerprint: Some(ModelFingerprint::of_bytes(b"n")),
+            ..spec
+        };
+        assert!(matches!(
+            other_model.verify(&block, &key),
+            Err(BlockError::FingerprintMismatch { .. })
+        ));
+        let any_model = BlockSpec {
+            fingerprint: None,
+            ..spec
+        };
+        assert!(any_model.verify(&block, &key).is_ok());
+        let other_layout = BlockSpec {
+            layout: KvLayout {
+                head_dim: 4,
+                block_tokens: 8,
+                ..layout()
+            },
+            ..spec
+        };
+        assert!(matches!(
+            other_layout.verify(&block, &key),
+            Err(BlockError::LayoutMismatch { .. })
+        ));
+        let mut flipped = block.to_vec();
+        flipped[200] ^= 1;
+        assert_eq!(
+            spec.verify(&flipped, &key).unwrap_err(),
+            BlockError::PayloadChecksum
+        );
+        assert!(matches!(
+            spec.verify(&block[..150], &key),
+            Err(BlockError::TooShort { .. })
+        ));
+    }
+}
