@@ -1,23 +1,31 @@
 //! The engine: a model, its G1 page pool, the G1 prefix index, and the
 //! tiered store below it.
 //!
-//! For each prompt: keys of its full blocks -> G1 hits -> the store's
-//! `lookup_prefix` -> one batched `get_many` whose blocks are copied into G1
-//! pages -> compute only the uncached suffix, in page-sized chunks. New full
-//! blocks are copied out of G1 and handed to a background thread that puts
-//! them into the store: never on the time-to-first-token path. With
-//! `prefix_reuse` off the engine recomputes every prompt (the baseline) and
-//! neither reads nor writes cached KV.
+//! For each prompt: keys of its full blocks -> G1 hits -> one
+//! `read_prefix_async` of the rest from the store ([`Engine::begin`]): the
+//! store's reader threads look each key up once, read G3 and G4 with all
+//! reads in flight and verify every block, while the caller's thread goes
+//! on (the scheduler keeps decoding other sequences) -> once the read is
+//! done ([`Engine::restore_done`]), [`Engine::complete`] copies the blocks
+//! into G1 pages (one copy each) and computes only the uncached suffix, in
+//! page-sized chunks. [`Engine::prefill`] is both at once.
+//!
+//! New full pages are exported straight into store block buffers and
+//! offered to the store ([`TieredStore::offer`]), after the step's tokens
+//! were sent: never on the time-to-first-token path, and never waiting on
+//! the disk (the store's write-back queue takes them, or drops and counts
+//! them when it is full). With `prefix_reuse` off the engine recomputes
+//! every prompt (the baseline) and neither reads nor writes cached KV.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
-use std::thread::JoinHandle;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use candle_core::{DType, Device};
 use kvtier_store::{
-    BlockKey, DiskConfig, KeyChain, ModelFingerprint, StoreConfig, Tier, TieredStore,
+    BlockKey, DiskConfig, Handle, KeyChain, ModelFingerprint, StoreConfig, StoredBlock, Tier,
+    TieredStore,
 };
 
 use crate::config::ModelConfig;
@@ -119,11 +127,23 @@ struct Seq {
     computed: usize,
     /// Keys of the full pages registered so far.
     keys: Vec<BlockKey>,
+    /// A prefill begun and not completed yet.
+    prefill: Option<Begun>,
 }
 
-enum Offload {
-    Put(Vec<(BlockKey, Vec<u8>)>),
-    Flush(mpsc::Sender<()>),
+/// What [`Engine::begin`] started for a sequence.
+#[derive(Debug)]
+struct Begun {
+    /// When `begin` was called.
+    started: Instant,
+    /// Prompt tokens attached from G1 pages.
+    cached: CachedTokens,
+    /// Keys of the usable blocks past the G1 hits, being read from the store.
+    keys: Vec<BlockKey>,
+    /// The store read of `keys`, if one was needed.
+    read: Option<Handle<Vec<StoredBlock>>>,
+    /// When that read finished (set by its completion callback).
+    read_done: Arc<OnceLock<Instant>>,
 }
 
 /// The inference engine. Single-threaded: the scheduler owns it.
@@ -134,7 +154,6 @@ pub struct Engine {
     keychain: KeyChain,
     fingerprint: ModelFingerprint,
     store: Option<TieredStore>,
-    offload: Option<(mpsc::Sender<Offload>, JoinHandle<()>)>,
     opts: EngineOptions,
     seqs: HashMap<SeqId, Seq>,
     next_id: SeqId,
@@ -224,10 +243,6 @@ impl Engine {
             &opts.device,
         )?;
         let keychain = KeyChain::new(&fingerprint, &layout, &opts.tenant_salt);
-        let offload = match &store {
-            Some(s) => Some(spawn_offload(s.clone())?),
-            None => None,
-        };
         Ok(Self {
             model,
             pool,
@@ -235,7 +250,6 @@ impl Engine {
             keychain,
             fingerprint,
             store,
-            offload,
             opts,
             seqs: HashMap::new(),
             next_id: 1,
@@ -319,7 +333,25 @@ impl Engine {
 
     /// Starts a sequence: restores what it can of the prompt's prefix and
     /// computes the rest. Returns the last prompt token's logits.
+    /// [`begin`](Self::begin) and [`complete`](Self::complete) in one call,
+    /// waiting for the store read in between.
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<Prefill, EngineError> {
+        let id = self.begin(prompt, || {})?;
+        self.complete(id)
+    }
+
+    /// Starts a sequence without waiting on the store: checks the prompt,
+    /// attaches the G1 pages of its cached prefix and starts one background
+    /// read of the rest of the prefix from the store. `on_restored` runs
+    /// (on a store thread) once that read is done, or at once when none was
+    /// needed; until then [`restore_done`](Self::restore_done) is false.
+    /// Finish with [`complete`](Self::complete) (or [`finish`](Self::finish)
+    /// to give up).
+    pub fn begin(
+        &mut self,
+        prompt: &[u32],
+        on_restored: impl FnOnce() + Send + 'static,
+    ) -> Result<SeqId, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::Request("empty prompt".into()));
         }
@@ -332,16 +364,75 @@ impl Engine {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.seqs.insert(
-            id,
-            Seq {
-                tokens: prompt.to_vec(),
-                table: Vec::new(),
-                computed: 0,
-                keys: Vec::new(),
-            },
-        );
-        match self.prefill_inner(id) {
+        let started = Instant::now();
+        let mut seq = Seq {
+            tokens: prompt.to_vec(),
+            table: Vec::new(),
+            computed: 0,
+            keys: Vec::new(),
+            prefill: None,
+        };
+        let mut begun = Begun {
+            started,
+            cached: CachedTokens::default(),
+            keys: Vec::new(),
+            read: None,
+            read_done: Arc::new(OnceLock::new()),
+        };
+        let read_done = begun.read_done.clone();
+        let mut notify: Option<Box<dyn FnOnce() + Send>> = Some(Box::new(move || {
+            let _ = read_done.set(Instant::now());
+            on_restored();
+        }));
+        if self.opts.prefix_reuse {
+            // Never the block holding the last prompt token: its logits must
+            // be computed.
+            let bt = self.opts.block_tokens;
+            let usable = (prompt.len() - 1) / bt;
+            let keys = self.keychain.keys(&prompt[..usable * bt]);
+            for key in &keys {
+                let Some(page) = self.g1.get(key) else { break };
+                self.pool.retain(page);
+                self.g1.mark_busy(page);
+                seq.table.push(page);
+                begun.cached.g1 += bt;
+            }
+            seq.keys = keys[..seq.table.len()].to_vec();
+            seq.computed = seq.table.len() * bt;
+            let rest = keys[seq.table.len()..].to_vec();
+            if let Some(store) = &self.store
+                && !rest.is_empty()
+                && let Some(notify) = notify.take()
+            {
+                begun.read = Some(store.read_prefix_async(rest.clone(), notify));
+                begun.keys = rest;
+            }
+        }
+        seq.prefill = Some(begun);
+        self.seqs.insert(id, seq);
+        if let Some(notify) = notify {
+            notify();
+        }
+        Ok(id)
+    }
+
+    /// True once the store read [`begin`](Self::begin) started for `id` is
+    /// done (or none was needed): [`complete`](Self::complete) will not wait
+    /// on the store.
+    pub fn restore_done(&self, id: SeqId) -> bool {
+        self.seqs
+            .get(&id)
+            .and_then(|s| s.prefill.as_ref())
+            .and_then(|b| b.read.as_ref())
+            .is_none_or(Handle::is_done)
+    }
+
+    /// Completes a prefill begun with [`begin`](Self::begin): takes the
+    /// blocks the store read (waiting for it if it is still running) into
+    /// G1 pages and computes the rest of the prompt. On an error the
+    /// sequence is finished.
+    pub fn complete(&mut self, id: SeqId) -> Result<Prefill, EngineError> {
+        match self.complete_inner(id) {
             Ok(p) => Ok(p),
             Err(e) => {
                 self.finish(id);
@@ -350,14 +441,25 @@ impl Engine {
         }
     }
 
-    fn prefill_inner(&mut self, id: SeqId) -> Result<Prefill, EngineError> {
-        let t0 = Instant::now();
-        let (cached, restored_bytes) = if self.opts.prefix_reuse {
-            self.attach_prefix(id)?
-        } else {
-            (CachedTokens::default(), 0)
-        };
-        let restore_seconds = t0.elapsed().as_secs_f64();
+    fn complete_inner(&mut self, id: SeqId) -> Result<Prefill, EngineError> {
+        let begun = self
+            .seqs
+            .get_mut(&id)
+            .and_then(|s| s.prefill.take())
+            .ok_or_else(|| EngineError::Request(format!("sequence {id} has no prefill begun")))?;
+        let mut cached = begun.cached;
+        let mut restored_bytes = 0;
+        let mut restore_seconds = 0.0;
+        if let Some(read) = begun.read {
+            let blocks = read.wait().unwrap_or_default();
+            // The read's own time (not how long the caller took to come
+            // back for it), plus the copies into G1.
+            let read_done = begun.read_done.get().copied().unwrap_or_else(Instant::now);
+            let t = Instant::now();
+            restored_bytes = self.attach_restored(id, &begun.keys, blocks, &mut cached);
+            restore_seconds =
+                read_done.duration_since(begun.started).as_secs_f64() + t.elapsed().as_secs_f64();
+        }
         let bt = self.opts.block_tokens;
         let len = self.seqs.get(&id).map_or(0, |s| s.tokens.len());
         let mut start = self.seqs.get(&id).map_or(0, |s| s.computed);
@@ -395,64 +497,49 @@ impl Engine {
         })
     }
 
-    /// G1 hits, then one batched store read for the rest of the prefix.
-    /// Never takes the block holding the last prompt token: its logits must
-    /// be computed.
-    fn attach_prefix(&mut self, id: SeqId) -> Result<(CachedTokens, u64), EngineError> {
+    /// Copies the restored `blocks` (the leading blocks of `keys`, as the
+    /// store read them) into fresh G1 pages of `id`, each in one copy, and
+    /// counts them in `cached`; returns the bytes restored. A block that
+    /// does not fit a page, or a full pool, ends the prefix there: the rest
+    /// is recomputed.
+    fn attach_restored(
+        &mut self,
+        id: SeqId,
+        keys: &[BlockKey],
+        blocks: Vec<StoredBlock>,
+        cached: &mut CachedTokens,
+    ) -> u64 {
         let bt = self.opts.block_tokens;
-        let Some(seq) = self.seqs.get(&id) else {
-            return Ok((CachedTokens::default(), 0));
-        };
-        let usable = (seq.tokens.len() - 1) / bt;
-        let keys = self.keychain.keys(&seq.tokens[..usable * bt]);
-        let mut cached = CachedTokens::default();
-        let mut table = Vec::new();
-        for key in &keys {
-            let Some(page) = self.g1.get(key) else { break };
-            self.pool.retain(page);
-            self.g1.mark_busy(page);
-            table.push(page);
-            cached.g1 += bt;
-        }
         let mut bytes = 0u64;
-        let rest = &keys[table.len()..];
-        if let Some(store) = self.store.clone()
-            && !rest.is_empty()
-        {
-            let hits = store.lookup_prefix(rest).hits();
-            if hits > 0 {
-                let blocks = store.get_many(&rest[..hits]);
-                for (key, block) in rest.iter().zip(blocks) {
-                    // A block that failed verification is a miss: the rest of
-                    // the prefix is recomputed.
-                    let Some(block) = block else { break };
-                    let page = match self.alloc_page() {
-                        Ok(p) => p,
-                        Err(_) => break,
-                    };
-                    if let Err(e) = self.pool.import(page, block.payload()) {
-                        tracing::warn!("restoring block {key} failed: {e}; recomputing");
-                        self.pool.release(page);
-                        self.pool.free(page);
-                        break;
-                    }
-                    self.g1.insert(*key, page);
-                    table.push(page);
-                    bytes += block.payload().len() as u64;
-                    match block.tier {
-                        Tier::G2 => cached.g2 += bt,
-                        Tier::G3 => cached.g3 += bt,
-                        Tier::G4 => cached.g4 += bt,
-                    }
-                }
+        let mut pages = Vec::new();
+        for (key, block) in keys.iter().zip(blocks) {
+            if block.key != *key {
+                break;
+            }
+            let Ok(page) = self.alloc_page() else { break };
+            if let Err(e) = self.pool.import(page, block.payload()) {
+                tracing::warn!("restoring block {key} failed: {e}; recomputing");
+                self.pool.release(page);
+                self.pool.free(page);
+                break;
+            }
+            self.g1.insert(*key, page);
+            pages.push((*key, page));
+            bytes += block.payload().len() as u64;
+            match block.tier {
+                Tier::G2 => cached.g2 += bt,
+                Tier::G3 => cached.g3 += bt,
+                Tier::G4 => cached.g4 += bt,
             }
         }
         if let Some(seq) = self.seqs.get_mut(&id) {
-            seq.keys = keys[..table.len()].to_vec();
-            seq.computed = table.len() * bt;
-            seq.table = table;
+            for (key, page) in pages {
+                seq.keys.push(key);
+                seq.table.push(page);
+            }
+            seq.computed = seq.table.len() * bt;
         }
-        Ok((cached, bytes))
+        bytes
     }
 
     /// Registers newly full pages in G1 and queues them for the store.
@@ -480,7 +567,7 @@ impl Engine {
                 new.push((key, page));
             }
         }
-        if self.offload.is_some() {
+        if self.store.is_some() {
             // Copied out later by `offload_pending`, after the caller has
             // emitted its token: the copy stays off the TTFT path. The extra
             // reference keeps the page from being reclaimed meanwhile.
@@ -492,30 +579,38 @@ impl Engine {
         Ok(())
     }
 
-    /// Copies the full pages registered since the last call out of G1 and
-    /// hands them to the store's background writer. The scheduler calls it
-    /// after each step's tokens are sent; [`Engine::flush_offload`] calls it
-    /// too.
+    /// Exports the full pages registered since the last call straight into
+    /// store block buffers and offers them to the store (which never waits:
+    /// see [`TieredStore::offer`]). The scheduler calls it after each step's
+    /// tokens are sent; [`Engine::flush_offload`] calls it too.
     pub fn offload_pending(&mut self) -> Result<(), EngineError> {
         let pending = std::mem::take(&mut self.pending_offload);
-        if pending.is_empty() {
+        let Some(store) = &self.store else {
+            for (_, page) in pending {
+                self.release_page(page);
+            }
             return Ok(());
-        }
+        };
         let mut blocks = Vec::with_capacity(pending.len());
         let mut failed = None;
         for &(key, page) in &pending {
-            match self.pool.export(page) {
-                Ok(bytes) => blocks.push((key, bytes)),
+            let exported = store
+                .new_block()
+                .map_err(EngineError::from)
+                .and_then(|mut b| {
+                    self.pool.export_into(page, b.payload_mut())?;
+                    Ok(b)
+                });
+            match exported {
+                Ok(b) => blocks.push((key, b)),
                 Err(e) => failed = Some(e),
             }
         }
+        if !blocks.is_empty() {
+            store.offer(blocks);
+        }
         for (_, page) in pending {
             self.release_page(page);
-        }
-        if let Some((tx, _)) = &self.offload
-            && !blocks.is_empty()
-        {
-            let _ = tx.send(Offload::Put(blocks));
         }
         failed.map_or(Ok(()), Err)
     }
@@ -602,21 +697,17 @@ impl Engine {
         let Some(seq) = self.seqs.remove(&id) else {
             return;
         };
+        if let Some(read) = seq.prefill.and_then(|b| b.read) {
+            read.cancel();
+        }
         for page in seq.table {
             self.release_page(page);
         }
     }
 
-    /// Waits until every queued block has been handed to the store.
+    /// Hands every block registered so far to the store.
     pub fn flush_offload(&mut self) -> Result<(), EngineError> {
-        self.offload_pending()?;
-        if let Some((tx, _)) = &self.offload {
-            let (done_tx, done_rx) = mpsc::channel();
-            if tx.send(Offload::Flush(done_tx)).is_ok() {
-                let _ = done_rx.recv();
-            }
-        }
-        Ok(())
+        self.offload_pending()
     }
 }
 
@@ -625,35 +716,5 @@ impl Drop for Engine {
         if let Err(e) = self.offload_pending() {
             tracing::warn!("copying KV blocks for the store at shutdown failed: {e}");
         }
-        if let Some((tx, handle)) = self.offload.take() {
-            drop(tx);
-            let _ = handle.join();
-        }
     }
-}
-
-fn spawn_offload(
-    store: TieredStore,
-) -> Result<(mpsc::Sender<Offload>, JoinHandle<()>), EngineError> {
-    let (tx, rx) = mpsc::channel::<Offload>();
-    let handle = std::thread::Builder::new()
-        .name("kvtier-offload".into())
-        .spawn(move || {
-            while let Ok(job) = rx.recv() {
-                match job {
-                    Offload::Put(blocks) => {
-                        let refs: Vec<(BlockKey, &[u8])> =
-                            blocks.iter().map(|(k, b)| (*k, b.as_slice())).collect();
-                        if let Err(e) = store.put_many(&refs) {
-                            tracing::warn!("offloading {} KV blocks failed: {e}", refs.len());
-                        }
-                    }
-                    Offload::Flush(done) => {
-                        let _ = done.send(());
-                    }
-                }
-            }
-        })
-        .map_err(|e| EngineError::Request(format!("cannot start the offload thread: {e}")))?;
-    Ok((tx, handle))
 }

@@ -11,7 +11,7 @@
 //! Pages are reference counted: a full page may be shared by several
 //! sequences with the same prefix (it is never written again once full).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Storage, Tensor};
 
 use crate::error::EngineError;
 
@@ -178,50 +178,163 @@ impl KvPool {
         ))
     }
 
-    /// A page's bytes in store-payload order.
-    pub fn export(&self, page: PageId) -> Result<Vec<u8>, EngineError> {
-        let mut out = Vec::with_capacity(self.page_bytes());
+    /// Copies a page into `out` in store-payload order (`out` is one
+    /// payload long: a store block buffer, written in full).
+    ///
+    /// On the CPU each layer's K and V part is one copy straight out of the
+    /// pool's memory; other devices copy each part to the host first.
+    pub fn export_into(&self, page: PageId, out: &mut [u8]) -> Result<(), EngineError> {
+        let part = self.check_payload(out.len())?;
         let rows = self.kv_heads * self.block_tokens;
+        let mut parts = out.chunks_exact_mut(part);
         for layer in 0..self.k.len() {
             for t in [&self.k[layer], &self.v[layer]] {
-                let vals: Vec<f32> = t
-                    .narrow(0, page as usize * rows, rows)?
-                    .flatten_all()?
-                    .to_vec1()?;
-                for x in vals {
-                    out.extend_from_slice(&x.to_le_bytes());
+                let dst = parts
+                    .next()
+                    .ok_or_else(|| EngineError::Request("short KV payload".into()))?;
+                let (storage, layout) = t.storage_and_layout();
+                match (&*storage, layout.contiguous_offsets()) {
+                    (Storage::Cpu(CpuStorage::F32(all)), Some((start, _))) => {
+                        let from = start + page as usize * rows * self.head_dim;
+                        let src = all
+                            .get(from..from + rows * self.head_dim)
+                            .ok_or_else(|| EngineError::Request("page outside the pool".into()))?;
+                        dst.copy_from_slice(bytemuck::cast_slice(src));
+                    }
+                    _ => {
+                        drop(storage);
+                        let vals: Vec<f32> = t
+                            .narrow(0, page as usize * rows, rows)?
+                            .flatten_all()?
+                            .to_vec1()?;
+                        dst.copy_from_slice(bytemuck::cast_slice(&vals));
+                    }
                 }
             }
         }
+        Ok(())
+    }
+
+    /// A page's bytes in store-payload order, in a new buffer.
+    pub fn export(&self, page: PageId) -> Result<Vec<u8>, EngineError> {
+        let mut out = vec![0u8; self.page_bytes()];
+        self.export_into(page, &mut out)?;
         Ok(out)
     }
 
     /// Fills a page from a store payload.
+    ///
+    /// On the CPU each layer's K and V part is one copy straight into the
+    /// pool's memory; other devices go through a host tensor.
     pub fn import(&self, page: PageId, payload: &[u8]) -> Result<(), EngineError> {
-        if payload.len() != self.page_bytes() {
-            return Err(EngineError::Request(format!(
-                "KV block of {} bytes does not fit pages of {} bytes",
-                payload.len(),
-                self.page_bytes()
-            )));
-        }
+        let part = self.check_payload(payload.len())?;
         let rows = self.kv_heads * self.block_tokens;
-        let part = rows * self.head_dim * 4;
-        let mut chunks = payload.chunks_exact(part);
+        let mut parts = payload.chunks_exact(part);
         for layer in 0..self.k.len() {
             for t in [&self.k[layer], &self.v[layer]] {
-                let bytes = chunks
+                let bytes = parts
                     .next()
                     .ok_or_else(|| EngineError::Request("short KV payload".into()))?;
-                let src = Tensor::from_raw_buffer(
-                    bytes,
-                    DType::F32,
-                    &[rows, self.head_dim],
-                    &self.device,
-                )?;
-                t.slice_set(&src, 0, page as usize * rows)?;
+                if self.device.is_cpu() {
+                    t.inplace_op1(&WritePage {
+                        offset: page as usize * rows * self.head_dim,
+                        bytes,
+                    })?;
+                } else {
+                    let src = Tensor::from_raw_buffer(
+                        bytes,
+                        DType::F32,
+                        &[rows, self.head_dim],
+                        &self.device,
+                    )?;
+                    t.slice_set(&src, 0, page as usize * rows)?;
+                }
             }
         }
         Ok(())
+    }
+
+    /// Checks that a payload of `len` bytes fits a page; returns the bytes
+    /// of one layer's K (or V) part.
+    fn check_payload(&self, len: usize) -> Result<usize, EngineError> {
+        if len != self.page_bytes() {
+            return Err(EngineError::Request(format!(
+                "KV block of {len} bytes does not fit pages of {} bytes",
+                self.page_bytes()
+            )));
+        }
+        Ok(self.kv_heads * self.block_tokens * self.head_dim * 4)
+    }
+}
+
+/// Writes little-endian f32 `bytes` into a CPU tensor's memory at element
+/// `offset` (of its contiguous storage), in place: the one copy of a page
+/// import.
+struct WritePage<'a> {
+    offset: usize,
+    bytes: &'a [u8],
+}
+
+impl InplaceOp1 for WritePage<'_> {
+    fn name(&self) -> &'static str {
+        "kvtier-write-page"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(all) = storage else {
+            return Err(candle_core::Error::Msg("KV pool is not f32".into()));
+        };
+        let Some((start, _)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::Msg("KV pool is not contiguous".into()));
+        };
+        let from = start + self.offset;
+        let dst = all
+            .get_mut(from..from + self.bytes.len() / 4)
+            .ok_or_else(|| candle_core::Error::Msg("page outside the pool".into()))?;
+        bytemuck::cast_slice_mut(dst).copy_from_slice(self.bytes);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_exported_into_a_buffer_imports_into_another_page_unchanged() {
+        let pool = KvPool::new(2, 2, 4, 3, 4, &Device::Cpu).unwrap();
+        let k = Tensor::arange(0f32, 24., &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3, 4))
+            .unwrap();
+        let v = (&k * -1.0).unwrap();
+        for layer in 0..2 {
+            pool.write(layer, &[1], 0, &k, &v).unwrap();
+        }
+        let mut block = vec![0xAAu8; pool.page_bytes()];
+        pool.export_into(1, &mut block).unwrap();
+        assert_eq!(block, pool.export(1).unwrap());
+        let first: Vec<f32> = bytemuck::cast_slice(&block[..96]).to_vec();
+        assert_eq!(
+            first,
+            (0..24).map(|x| x as f32).collect::<Vec<_>>(),
+            "layer 0 K first"
+        );
+        pool.import(3, &block).unwrap();
+        for layer in 0..2 {
+            let got = pool.page_k(layer, 3).unwrap().flatten_all().unwrap();
+            let want = k.flatten_all().unwrap();
+            assert_eq!(
+                got.to_vec1::<f32>().unwrap(),
+                want.to_vec1::<f32>().unwrap()
+            );
+            let got = pool.page_v(layer, 3).unwrap().flatten_all().unwrap();
+            assert_eq!(
+                got.to_vec1::<f32>().unwrap(),
+                v.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            );
+        }
+        assert!(pool.import(0, &block[1..]).is_err(), "a short payload");
+        assert!(pool.export_into(0, &mut block[..8]).is_err());
     }
 }

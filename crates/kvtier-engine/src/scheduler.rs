@@ -9,6 +9,12 @@
 //! * **Fairness**: requests are admitted first come, first served, at most
 //!   `max_batch` run at once, and each decode step serves every active
 //!   sequence once, so 16 concurrent clients each get a token per step.
+//! * **Restores never stall decode**: an admitted request whose prefix is
+//!   being read from the store (G2, G3, G4) waits in its own state while the
+//!   store's reader threads read it ([`Engine::begin`]); the scheduler keeps
+//!   stepping the other sequences and completes the prefill
+//!   ([`Engine::complete`]) at the first step after the read is done. When
+//!   nothing else runs it sleeps until the read wakes it.
 //!
 //! A request whose receiver is dropped (client gone, stop string matched) is
 //! finished at the next step.
@@ -118,104 +124,184 @@ struct Queued {
     arrived: Instant,
 }
 
+/// A request whose prefix is being read from the store.
+struct Restoring {
+    seq: SeqId,
+    req: GenerateRequest,
+    arrived: Instant,
+}
+
+/// What reaches the scheduler thread.
+enum Msg {
+    /// A request and when it was submitted.
+    Request(GenerateRequest, Instant),
+    /// A store read finished: look at the restoring sequences.
+    Wake,
+    /// Stop taking requests; finish the ones running.
+    Shutdown,
+}
+
 /// A handle to the scheduler thread. Dropping it stops the thread after the
 /// active requests finish.
 #[derive(Debug)]
 pub struct Scheduler {
-    tx: Option<Sender<(GenerateRequest, Instant)>>,
+    tx: Sender<Msg>,
     handle: Option<JoinHandle<Engine>>,
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Msg::Request(..) => "Request",
+            Msg::Wake => "Wake",
+            Msg::Shutdown => "Shutdown",
+        })
+    }
 }
 
 impl Scheduler {
     /// Starts the scheduler thread around `engine`.
     pub fn start(engine: Engine, cfg: BatchConfig) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel();
+        let wake = tx.clone();
         let handle = std::thread::Builder::new()
             .name("kvtier-scheduler".into())
-            .spawn(move || run(engine, cfg, rx))?;
+            .spawn(move || run(engine, cfg, &rx, &wake))?;
         Ok(Self {
-            tx: Some(tx),
+            tx,
             handle: Some(handle),
         })
     }
 
     /// Queues a request; events arrive on its sender. False if stopped.
     pub fn submit(&self, req: GenerateRequest) -> bool {
-        match &self.tx {
-            Some(tx) => tx.send((req, Instant::now())).is_ok(),
-            None => false,
-        }
+        self.tx.send(Msg::Request(req, Instant::now())).is_ok()
     }
 
     /// Stops accepting requests, lets active ones finish, and returns the
     /// engine (whose drop flushes its store).
     pub fn shutdown(mut self) -> Option<Engine> {
-        self.tx.take();
+        let _ = self.tx.send(Msg::Shutdown);
         self.handle.take().and_then(|h| h.join().ok())
     }
 }
 
 impl Drop for Scheduler {
     fn drop(&mut self) {
-        self.tx.take();
+        let _ = self.tx.send(Msg::Shutdown);
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
     }
 }
 
-fn run(mut engine: Engine, cfg: BatchConfig, rx: Receiver<(GenerateRequest, Instant)>) -> Engine {
+/// The queues of the scheduler thread.
+#[derive(Default)]
+struct Queues {
+    queue: VecDeque<Queued>,
+    restoring: Vec<Restoring>,
+    active: Vec<Active>,
+    /// False once shutdown was asked for (or every sender is gone).
+    open: bool,
+}
+
+impl Queues {
+    /// Takes one message.
+    fn on(&mut self, msg: Msg) {
+        match msg {
+            Msg::Request(req, arrived) if self.open => {
+                self.queue.push_back(Queued { req, arrived })
+            }
+            Msg::Request(req, _) => {
+                let _ = req.events.send(GenerateEvent::Failed(
+                    "the scheduler is shutting down".into(),
+                ));
+            }
+            Msg::Wake => {}
+            Msg::Shutdown => self.open = false,
+        }
+    }
+
+    /// Sequences admitted (decoding or restoring).
+    fn running(&self) -> usize {
+        self.active.len() + self.restoring.len()
+    }
+}
+
+fn run(mut engine: Engine, cfg: BatchConfig, rx: &Receiver<Msg>, wake: &Sender<Msg>) -> Engine {
     let max_batch = cfg.max_batch.max(1);
-    let mut queue: VecDeque<Queued> = VecDeque::new();
-    let mut active: Vec<Active> = Vec::new();
-    let mut open = true;
+    let mut q = Queues {
+        open: true,
+        ..Default::default()
+    };
     loop {
         offload(&mut engine);
         // Gather arrivals.
-        if active.is_empty() && queue.is_empty() {
-            if !open {
+        if q.running() == 0 && q.queue.is_empty() {
+            if !q.open {
                 break;
             }
             match rx.recv() {
-                Ok((req, arrived)) => queue.push_back(Queued { req, arrived }),
+                Ok(msg) => q.on(msg),
                 Err(_) => break,
             }
+            if q.queue.is_empty() {
+                continue;
+            }
+            // Idle, and a request came: a batching window for more.
             let deadline = Instant::now() + cfg.max_wait;
-            while queue.len() < max_batch {
+            while q.open && q.queue.len() < max_batch {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match rx.recv_timeout(left) {
-                    Ok((req, arrived)) => queue.push_back(Queued { req, arrived }),
+                    Ok(msg) => q.on(msg),
                     Err(RecvTimeoutError::Timeout) => break,
-                    Err(RecvTimeoutError::Disconnected) => {
-                        open = false;
-                        break;
-                    }
+                    Err(RecvTimeoutError::Disconnected) => q.open = false,
                 }
             }
-        } else if open {
-            loop {
-                match rx.try_recv() {
-                    Ok((req, arrived)) => queue.push_back(Queued { req, arrived }),
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => {
-                        open = false;
-                        break;
-                    }
+        } else if q.active.is_empty() && q.queue.is_empty() {
+            // Only restores in flight: sleep until one wakes us (or a
+            // request comes).
+            match rx.recv() {
+                Ok(msg) => q.on(msg),
+                Err(_) => q.open = false,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(msg) => q.on(msg),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    q.open = false;
+                    break;
                 }
             }
         }
-        // Admit (first come, first served) up to the batch limit.
-        while active.len() < max_batch {
-            let Some(q) = queue.pop_front() else { break };
-            if let Some(a) = admit(&mut engine, q) {
-                active.push(a);
+        // Admit (first come, first served) up to the batch limit; their
+        // store reads start now and run while the others decode.
+        while q.running() < max_batch {
+            let Some(queued) = q.queue.pop_front() else {
+                break;
+            };
+            if let Some(r) = begin(&mut engine, queued, wake) {
+                q.restoring.push(r);
+            }
+        }
+        // Prefills whose reads are done join the decoding batch.
+        let mut i = 0;
+        while i < q.restoring.len() {
+            if engine.restore_done(q.restoring[i].seq) {
+                let r = q.restoring.swap_remove(i);
+                if let Some(a) = complete(&mut engine, r) {
+                    q.active.push(a);
+                }
+            } else {
+                i += 1;
             }
         }
         offload(&mut engine);
-        if active.is_empty() {
-            continue;
+        if !q.active.is_empty() {
+            step(&mut engine, &mut q.active);
         }
-        step(&mut engine, &mut active);
     }
     offload(&mut engine);
     engine
@@ -230,9 +316,25 @@ fn offload(engine: &mut Engine) {
     }
 }
 
-fn admit(engine: &mut Engine, q: Queued) -> Option<Active> {
+/// Starts a request's prefill; its store read wakes the scheduler when done.
+fn begin(engine: &mut Engine, q: Queued, wake: &Sender<Msg>) -> Option<Restoring> {
     let Queued { req, arrived } = q;
-    let prefill = match engine.prefill(&req.prompt) {
+    let wake = wake.clone();
+    match engine.begin(&req.prompt, move || {
+        let _ = wake.send(Msg::Wake);
+    }) {
+        Ok(seq) => Some(Restoring { seq, req, arrived }),
+        Err(e) => {
+            let _ = req.events.send(GenerateEvent::Failed(e.to_string()));
+            None
+        }
+    }
+}
+
+/// Completes a prefill (its read is done) and emits its first token.
+fn complete(engine: &mut Engine, r: Restoring) -> Option<Active> {
+    let Restoring { seq, req, arrived } = r;
+    let prefill = match engine.complete(seq) {
         Ok(p) => p,
         Err(e) => {
             let _ = req.events.send(GenerateEvent::Failed(e.to_string()));
