@@ -107,7 +107,7 @@ impl Target for InProcess {
             max_tokens,
             sampling: SamplingParams::default(),
             stop_tokens: self.stop_tokens.clone(),
-            events: tx,
+            events: tx.into(),
         });
         if !submitted {
             return fail(rec, "scheduler stopped".into());

@@ -18,15 +18,15 @@
 pub mod cost;
 pub mod error;
 pub mod meter;
-pub mod model;
 pub mod nvml;
+pub mod power_model;
 pub mod rapl;
 pub mod select;
 
 pub use cost::{CostBreakdown, CostModel};
 pub use error::EnergyError;
 pub use meter::{Domain, DomainEnergy, EnergyReading, MeterKind, PowerMeter, Probe};
-pub use model::{CpuTimes, ModelConstants, ModelMeter};
 pub use nvml::NvmlMeter;
+pub use power_model::{CpuTimes, ModelConstants, ModelMeter};
 pub use rapl::RaplMeter;
 pub use select::{CombinedMeter, MeterChoice, MeterOptions, best_meter};

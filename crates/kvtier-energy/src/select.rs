@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use crate::EnergyError;
 use crate::meter::{EnergyReading, MeterKind, PowerMeter, Probe};
-use crate::model::{DEFAULT_PROC_STAT, ModelConstants, ModelMeter};
 use crate::nvml::NvmlMeter;
+use crate::power_model::{DEFAULT_PROC_STAT, ModelConstants, ModelMeter};
 use crate::rapl::{DEFAULT_POWERCAP_ROOT, RaplMeter};
 
 /// What [`best_meter`] may use.

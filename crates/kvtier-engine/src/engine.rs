@@ -171,15 +171,6 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-/// The fingerprint of a model: its config and every weight byte, so KV of a
-/// model with the same shapes but other weights never matches.
-pub fn model_fingerprint(config_json: &[u8], weights_digest: &[u8]) -> ModelFingerprint {
-    let mut bytes = Vec::with_capacity(config_json.len() + weights_digest.len());
-    bytes.extend_from_slice(config_json);
-    bytes.extend_from_slice(weights_digest);
-    ModelFingerprint::of_bytes(&bytes)
-}
-
 impl Engine {
     /// Loads the model in `dir` and opens the store below G1 (`None`: G1 only).
     pub fn load(

@@ -57,7 +57,38 @@ pub struct GenerateRequest {
     /// Token ids that end generation (not emitted).
     pub stop_tokens: Vec<u32>,
     /// Where events go.
-    pub events: Sender<GenerateEvent>,
+    pub events: EventSink,
+}
+
+/// Where a request's events go: a function that delivers one event and
+/// says whether anyone still listens (false ends the request at the next
+/// step). Made from a std channel sender (`tx.into()`) or, with
+/// [`EventSink::new`], from any other channel: the HTTP server hands in its
+/// tokio sender, so no thread sits between the scheduler and the response.
+pub struct EventSink(Box<dyn FnMut(GenerateEvent) -> bool + Send>);
+
+impl EventSink {
+    /// A sink calling `deliver` for each event.
+    pub fn new(deliver: impl FnMut(GenerateEvent) -> bool + Send + 'static) -> Self {
+        Self(Box::new(deliver))
+    }
+
+    /// Delivers `event`; false once nobody listens.
+    pub fn send(&mut self, event: GenerateEvent) -> bool {
+        (self.0)(event)
+    }
+}
+
+impl From<Sender<GenerateEvent>> for EventSink {
+    fn from(tx: Sender<GenerateEvent>) -> Self {
+        Self::new(move |event| tx.send(event).is_ok())
+    }
+}
+
+impl std::fmt::Debug for EventSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EventSink")
+    }
 }
 
 /// Why generation ended.
@@ -116,7 +147,7 @@ struct Active {
     generated: usize,
     max_tokens: usize,
     stop: Vec<u32>,
-    events: Sender<GenerateEvent>,
+    events: EventSink,
 }
 
 struct Queued {
@@ -173,7 +204,8 @@ impl Scheduler {
         })
     }
 
-    /// Queues a request; events arrive on its sender. False if stopped.
+    /// Queues a request; its events go to its [`EventSink`]. False if
+    /// stopped.
     pub fn submit(&self, req: GenerateRequest) -> bool {
         self.tx.send(Msg::Request(req, Instant::now())).is_ok()
     }
@@ -212,8 +244,8 @@ impl Queues {
             Msg::Request(req, arrived) if self.open => {
                 self.queue.push_back(Queued { req, arrived })
             }
-            Msg::Request(req, _) => {
-                let _ = req.events.send(GenerateEvent::Failed(
+            Msg::Request(mut req, _) => {
+                req.events.send(GenerateEvent::Failed(
                     "the scheduler is shutting down".into(),
                 ));
             }
@@ -318,14 +350,14 @@ fn offload(engine: &mut Engine) {
 
 /// Starts a request's prefill; its store read wakes the scheduler when done.
 fn begin(engine: &mut Engine, q: Queued, wake: &Sender<Msg>) -> Option<Restoring> {
-    let Queued { req, arrived } = q;
+    let Queued { mut req, arrived } = q;
     let wake = wake.clone();
     match engine.begin(&req.prompt, move || {
         let _ = wake.send(Msg::Wake);
     }) {
         Ok(seq) => Some(Restoring { seq, req, arrived }),
         Err(e) => {
-            let _ = req.events.send(GenerateEvent::Failed(e.to_string()));
+            req.events.send(GenerateEvent::Failed(e.to_string()));
             None
         }
     }
@@ -333,11 +365,15 @@ fn begin(engine: &mut Engine, q: Queued, wake: &Sender<Msg>) -> Option<Restoring
 
 /// Completes a prefill (its read is done) and emits its first token.
 fn complete(engine: &mut Engine, r: Restoring) -> Option<Active> {
-    let Restoring { seq, req, arrived } = r;
+    let Restoring {
+        seq,
+        mut req,
+        arrived,
+    } = r;
     let prefill = match engine.complete(seq) {
         Ok(p) => p,
         Err(e) => {
-            let _ = req.events.send(GenerateEvent::Failed(e.to_string()));
+            req.events.send(GenerateEvent::Failed(e.to_string()));
             return None;
         }
     };
@@ -350,7 +386,7 @@ fn complete(engine: &mut Engine, r: Restoring) -> Option<Active> {
         restored_bytes: prefill.restored_bytes,
         restore_seconds: prefill.restore_seconds,
     };
-    if req.events.send(started).is_err() {
+    if !req.events.send(started) {
         engine.finish(prefill.seq);
         return None;
     }
@@ -373,18 +409,18 @@ fn complete(engine: &mut Engine, r: Restoring) -> Option<Active> {
 /// Emits `a.next`; returns true when the request is done (and was told so).
 fn emit(a: &mut Active) -> bool {
     if a.stop.contains(&a.next) {
-        let _ = a.events.send(GenerateEvent::Finished {
+        a.events.send(GenerateEvent::Finished {
             reason: FinishReason::Stop,
             completion_tokens: a.generated,
         });
         return true;
     }
     a.generated += 1;
-    if a.events.send(GenerateEvent::Token(a.next)).is_err() {
+    if !a.events.send(GenerateEvent::Token(a.next)) {
         return true;
     }
     if a.generated >= a.max_tokens {
-        let _ = a.events.send(GenerateEvent::Finished {
+        a.events.send(GenerateEvent::Finished {
             reason: FinishReason::Length,
             completion_tokens: a.generated,
         });
@@ -433,7 +469,7 @@ fn step(engine: &mut Engine, active: &mut Vec<Active>) {
                         } else {
                             GenerateEvent::Failed(format!("{e1} (batch: {msg})"))
                         };
-                        let _ = a.events.send(reason);
+                        a.events.send(reason);
                         engine.finish(a.seq);
                     }
                 }

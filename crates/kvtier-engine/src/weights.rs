@@ -69,7 +69,7 @@ impl Weights {
     pub fn fingerprint(&self, dir: &Path) -> Result<ModelFingerprint, EngineError> {
         let path = dir.join("config.json");
         let config = std::fs::read(&path).map_err(|e| EngineError::Io { path, source: e })?;
-        Ok(crate::engine::model_fingerprint(&config, &self.digest))
+        Ok(model_fingerprint(&config, &self.digest))
     }
 
     /// True when `name` is present.
@@ -96,4 +96,13 @@ impl Weights {
     pub fn leftover(&self) -> Vec<&str> {
         self.tensors.keys().map(String::as_str).collect()
     }
+}
+
+/// The fingerprint of a model: its config and every weight byte, so KV of a
+/// model with the same shapes but other weights never matches.
+pub fn model_fingerprint(config_json: &[u8], weights_digest: &[u8]) -> ModelFingerprint {
+    let mut bytes = Vec::with_capacity(config_json.len() + weights_digest.len());
+    bytes.extend_from_slice(config_json);
+    bytes.extend_from_slice(weights_digest);
+    ModelFingerprint::of_bytes(&bytes)
 }

@@ -45,7 +45,7 @@ fn submit(s: &Scheduler, prompt: Vec<u32>, max_tokens: usize) -> mpsc::Receiver<
         max_tokens,
         sampling: SamplingParams::default(),
         stop_tokens: vec![],
-        events: tx,
+        events: tx.into(),
     }));
     rx
 }

@@ -30,7 +30,7 @@ fn run_one(s: &Scheduler, prompt: Vec<u32>, max_tokens: usize) -> mpsc::Receiver
         max_tokens,
         sampling: SamplingParams::default(),
         stop_tokens: vec![],
-        events: tx,
+        events: tx.into(),
     }));
     rx
 }
@@ -99,7 +99,7 @@ fn stop_tokens_end_generation_and_bad_prompts_fail_alone() {
         max_tokens: 8,
         sampling: SamplingParams::default(),
         stop_tokens: vec![free[2]],
-        events: tx,
+        events: tx.into(),
     });
     let (stopped, reason) = collect(rx);
     assert_eq!(reason, FinishReason::Stop);

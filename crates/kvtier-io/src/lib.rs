@@ -1,8 +1,9 @@
 //! kvtier-io: bytes on devices.
 //!
 //! * [`buffer`]: owned, aligned buffers and the one allocation hook.
-//! * [`engine`]: a batch I/O engine that keeps N reads or writes in flight,
-//!   on io_uring where the kernel allows it and on a thread pool otherwise.
+//! * [`io_engine`]: a batch I/O engine that keeps N reads or writes
+//!   ([`io_op`]) in flight, on io_uring where the kernel allows it and on a
+//!   thread pool otherwise.
 //! * [`direct`]: opening files with `O_DIRECT` and probing whether a
 //!   directory accepts it; the active mode is always reported, never silent.
 //! * [`recycle`]: an allocator that reuses freed buffers (no page faults).
@@ -12,7 +13,8 @@
 pub mod buffer;
 pub mod checkpoint;
 pub mod direct;
-pub mod engine;
+pub mod io_engine;
+pub mod io_op;
 pub mod loader;
 pub mod recycle;
 pub mod safetensors;
@@ -21,4 +23,5 @@ mod uring;
 
 pub use buffer::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, align_up, system_allocator};
 pub use direct::{DirectProbe, open_direct, probe_direct};
-pub use engine::{Backend, EngineConfig, IoBuf, IoDone, IoEngine, IoKind, IoOp};
+pub use io_engine::{Backend, EngineConfig, IoEngine};
+pub use io_op::{IoBuf, IoDone, IoKind, IoOp, MAX_IN_FLIGHT};

@@ -8,7 +8,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::engine::{IoDone, IoKind, IoOp, finish};
+use crate::io_op::{IoDone, IoKind, IoOp, finish};
 
 /// Runs `ops` with up to `in_flight` threads, calling `f` on each op as it
 /// completes (on the thread that ran it); results in submission order.

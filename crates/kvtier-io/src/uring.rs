@@ -17,7 +17,7 @@ use std::os::fd::AsRawFd;
 use io_uring::{IoUring, opcode, types};
 
 use crate::buffer::AlignedBuf;
-use crate::engine::{IoBuf, IoDone, IoKind, IoOp, MAX_IN_FLIGHT, finish};
+use crate::io_op::{IoBuf, IoDone, IoKind, IoOp, MAX_IN_FLIGHT, finish};
 
 thread_local! {
     static RING: RefCell<Option<IoUring>> = const { RefCell::new(None) };
@@ -107,7 +107,7 @@ where
 /// Runs a stream on this thread's ring (see [`IoEngine::run_stream`]),
 /// or on the thread pool when the ring is unavailable.
 ///
-/// [`IoEngine::run_stream`]: crate::engine::IoEngine::run_stream
+/// [`IoEngine::run_stream`]: crate::io_engine::IoEngine::run_stream
 pub(crate) fn run_stream<'f>(
     in_flight: usize,
     next: &mut (dyn FnMut() -> Option<IoOp<'f>> + Send),

@@ -12,7 +12,7 @@ use crate::size::parse_size;
 use crate::slot_layout::check_block_bytes;
 
 /// Largest in-flight depth a case may ask for (the I/O engine's limit).
-pub const MAX_IN_FLIGHT: u32 = kvtier_io::engine::MAX_IN_FLIGHT as u32;
+pub const MAX_IN_FLIGHT: u32 = kvtier_io::MAX_IN_FLIGHT as u32;
 
 /// kvtier: the storage path for LLM inference.
 ///

@@ -10,7 +10,7 @@ use kvtier_io::loader::LoaderConfig;
 use crate::size::parse_size;
 
 /// Largest reads-in-flight value the loader and writer flags accept.
-pub const MAX_FLIGHT: u32 = kvtier_io::engine::MAX_IN_FLIGHT as u32;
+pub const MAX_FLIGHT: u32 = kvtier_io::MAX_IN_FLIGHT as u32;
 
 /// How the kvtier loader reads (defaults: the library's).
 #[derive(Debug, Clone, Args)]

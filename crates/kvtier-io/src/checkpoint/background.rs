@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::layout::{self, Plan};
+use super::error::CheckpointError;
+use super::options::{CheckpointInfo, SaveOptions, TensorRef};
+use super::shard_layout::{self, Plan};
 use super::writer::{self, Prepared, Source};
-use super::{CheckpointError, CheckpointInfo, SaveOptions, TensorRef};
 use crate::buffer::{AlignedBuf, DIRECT_IO_ALIGN};
 
 /// A save running in the background. [`SaveHandle::wait`] returns its
@@ -71,7 +72,7 @@ pub fn save_async(
     opts: &SaveOptions,
 ) -> Result<SaveHandle, CheckpointError> {
     let started = Instant::now();
-    let plan = layout::plan(tensors, opts)?;
+    let plan = shard_layout::plan(tensors, opts)?;
     let data: Vec<&[u8]> = tensors.iter().map(|t| t.data).collect();
     let bufs = snapshot(&plan, &data, opts)?;
     let meta = writer::meta_of(tensors);

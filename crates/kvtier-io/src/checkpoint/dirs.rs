@@ -1,13 +1,13 @@
-//! The checkpoint directory: file names, the writer lock, directory fsync
-//! and cleanup of uncommitted generations.
+//! The checkpoint directory: file names, the writer lock and directory
+//! fsync.
 
-use std::collections::HashSet;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use super::{CheckpointError, LOCK_FILE, MANIFEST_TMP, manifest};
+use super::error::CheckpointError;
+use super::options::LOCK_FILE;
 
 /// File name of shard `index` (0-based) of `count` in generation `generation`:
 /// `ckpt-<gen, 6 digits>-<index+1, 5 digits>-of-<count, 5 digits>.safetensors`.
@@ -35,7 +35,7 @@ pub(crate) fn is_plain_file_name(name: &str) -> bool {
 }
 
 /// fsyncs a directory, making renames, creations and unlinks in it durable.
-pub(crate) fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
+pub fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| CheckpointError::io("fsync directory", dir, e))
@@ -72,52 +72,6 @@ impl DirLock {
             }
         }
     }
-}
-
-/// Removes every file of an uncommitted generation from `dir` (shard files
-/// not named by `manifest.json`, and a leftover temp manifest) and returns
-/// what it removed. Other files are never touched. Takes the directory's
-/// writer lock, so it waits for a save in progress.
-pub fn cleanup(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
-    let _lock = DirLock::acquire(dir)?;
-    let committed = manifest::read_manifest(dir)?;
-    cleanup_locked(dir, committed.as_ref())
-}
-
-/// [`cleanup`] for a caller that holds the lock and has read the manifest.
-pub(crate) fn cleanup_locked(
-    dir: &Path,
-    committed: Option<&manifest::Manifest>,
-) -> Result<Vec<PathBuf>, CheckpointError> {
-    let keep: HashSet<&str> = committed
-        .map(|m| m.shards.iter().map(|s| s.file.as_str()).collect())
-        .unwrap_or_default();
-    let mut removed = Vec::new();
-    let entries = fs::read_dir(dir).map_err(|e| CheckpointError::io("list", dir, e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| CheckpointError::io("list", dir, e))?;
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        let stray =
-            name == MANIFEST_TMP || (parse_shard_file_name(name).is_some() && !keep.contains(name));
-        if !stray {
-            continue;
-        }
-        let path = entry.path();
-        match fs::remove_file(&path) {
-            Ok(()) => removed.push(path),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(CheckpointError::io("remove stray file", &path, e)),
-        }
-    }
-    if !removed.is_empty() {
-        tracing::info!(
-            "removed {} file(s) of uncommitted checkpoint generations in {}",
-            removed.len(),
-            dir.display()
-        );
-    }
-    Ok(removed)
 }
 
 #[cfg(test)]

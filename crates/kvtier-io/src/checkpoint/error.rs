@@ -20,7 +20,7 @@ pub enum CheckpointError {
         /// What is wrong with it.
         reason: String,
     },
-    /// A [`SaveOptions`](super::SaveOptions) value is out of range.
+    /// A [`SaveOptions`](super::options::SaveOptions) value is out of range.
     #[error("invalid save options: {0}")]
     InvalidOptions(String),
     /// A file-system call failed.
@@ -58,7 +58,7 @@ pub enum CheckpointError {
         source: io::Error,
     },
     /// The directory holds no committed checkpoint (`manifest.json` is missing).
-    #[error("no checkpoint in {}: {} does not exist", dir.display(), dir.join(super::MANIFEST_FILE).display())]
+    #[error("no checkpoint in {}: {} does not exist", dir.display(), dir.join(super::options::MANIFEST_FILE).display())]
     NoCheckpoint {
         /// The checkpoint directory.
         dir: PathBuf,

@@ -2,8 +2,8 @@
 //!
 //! The manifest names the generation, its shard files with their exact
 //! lengths, and every tensor with its shard, dtype, shape, offsets and
-//! crc32c. It is written to [`MANIFEST_TMP`](super::MANIFEST_TMP), fsynced,
-//! renamed over [`MANIFEST_FILE`](super::MANIFEST_FILE), and the directory
+//! crc32c. It is written to [`MANIFEST_TMP`](super::options::MANIFEST_TMP), fsynced,
+//! renamed over [`MANIFEST_FILE`](super::options::MANIFEST_FILE), and the directory
 //! fsynced: the rename is the commit point.
 
 use std::collections::{BTreeMap, HashSet};
@@ -13,7 +13,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::{CheckpointError, MANIFEST_FILE, MANIFEST_TMP, dirs};
+use super::dirs;
+use super::error::CheckpointError;
+use super::options::{MANIFEST_FILE, MANIFEST_TMP};
 use crate::safetensors::Dtype;
 
 /// Value of [`Manifest::format`].

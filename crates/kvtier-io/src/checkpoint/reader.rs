@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::CheckpointError;
+use super::error::CheckpointError;
 use super::manifest::{self, Manifest, TensorEntry};
 use crate::buffer::{HostAllocator, system_allocator};
-use crate::engine::IoEngine;
+use crate::io_engine::IoEngine;
 use crate::loader::{LoadStats, LoadedShard, LoaderConfig, TensorView, load_shards};
 use crate::safetensors::TensorInfo;
 
@@ -34,7 +34,7 @@ impl Default for LoadOptions {
             engine: IoEngine::shared().clone(),
             allocator: system_allocator(),
             verify: true,
-            threads: super::default_threads(),
+            threads: super::options::default_threads(),
         }
     }
 }

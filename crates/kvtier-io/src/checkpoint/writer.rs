@@ -9,13 +9,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
+use super::cleanup::cleanup_locked;
 use super::dirs::{self, DirLock, shard_file_name};
-use super::layout::{self, Chunk, Plan};
+use super::error::CheckpointError;
 use super::manifest::{self, MANIFEST_FORMAT, MANIFEST_VERSION, Manifest, ShardEntry, TensorEntry};
-use super::{CheckpointError, CheckpointInfo, MANIFEST_TMP, SaveOptions, TensorRef};
+use super::options::{CheckpointInfo, MANIFEST_TMP, SaveOptions, TensorRef};
+use super::shard_layout::{self, Chunk, Plan};
 use crate::buffer::{AlignedBuf, DIRECT_IO_ALIGN};
 use crate::direct::{DirectProbe, open_direct, probe_direct};
-use crate::engine::{IoBuf, IoKind, IoOp};
+use crate::io_op::{IoBuf, IoKind, IoOp};
 use crate::safetensors::Dtype;
 
 /// Name, dtype and shape of one tensor, owned (the manifest outlives the
@@ -61,7 +63,7 @@ pub fn save(
     opts: &SaveOptions,
 ) -> Result<CheckpointInfo, CheckpointError> {
     let started = Instant::now();
-    let plan = layout::plan(tensors, opts)?;
+    let plan = shard_layout::plan(tensors, opts)?;
     let prepared = Prepared {
         plan,
         source: Source::Borrowed(tensors.iter().map(|t| t.data).collect()),
@@ -98,7 +100,7 @@ pub(crate) fn commit(
     }
     let _lock = DirLock::acquire(dir)?;
     let committed = manifest::read_manifest(dir)?;
-    dirs::cleanup_locked(dir, committed.as_ref())?;
+    cleanup_locked(dir, committed.as_ref())?;
     let previous = committed.as_ref().map(|m| m.generation);
     let generation = previous.map_or(1, |g| g + 1);
 
@@ -371,7 +373,7 @@ type WriteFailure = (usize, io::Error);
 
 /// Synchronous save: `threads` filler threads prepare chunks while one
 /// engine stream keeps `in_flight` chunk writes outstanding. A chunk that a
-/// single tensor fills ([`Chunk::tensor`](super::layout::Chunk)) whose
+/// single tensor fills ([`Chunk::tensor`](super::shard_layout::Chunk)) whose
 /// bytes sit at an address the device can read from directly is written
 /// straight from the caller's memory; every other chunk is gathered into an
 /// aligned buffer, which goes back to the fillers as soon as its write

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::buffer::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, system_allocator};
-use crate::engine::IoEngine;
+use crate::io_engine::IoEngine;
 
 pub use error::LoadError;
 pub use index::{INDEX_FILE, SINGLE_FILE, model_shards};

@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::buffer::{AlignedBuf, DIRECT_IO_ALIGN};
 use crate::direct::open_read;
-use crate::engine::{IoEngine, IoOp};
+use crate::io_engine::IoEngine;
+use crate::io_op::IoOp;
 use crate::safetensors::{Header, read_header_from};
 
 use super::LoaderConfig;

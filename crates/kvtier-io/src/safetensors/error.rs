@@ -3,13 +3,13 @@
 use std::io;
 use std::path::PathBuf;
 
-use super::MAX_HEADER_BYTES;
+use super::limits::MAX_HEADER_BYTES;
 
 /// Why a safetensors file (or a header being encoded) was rejected.
 ///
 /// Every variant names the file; variants about one tensor name it too.
-/// Headers being encoded by [`encode_header`](super::encode_header) have no
-/// file yet and carry [`ENCODE_PATH`](super::ENCODE_PATH) instead.
+/// Headers being encoded by [`encode_header`](super::encode::encode_header) have no
+/// file yet and carry [`ENCODE_PATH`](super::limits::ENCODE_PATH) instead.
 #[derive(Debug, thiserror::Error)]
 pub enum SafetensorsError {
     /// Opening or reading the file failed.
@@ -47,7 +47,7 @@ pub enum SafetensorsError {
         /// The file's length.
         file_len: u64,
     },
-    /// The header bytes handed to [`parse_header`](super::parse_header) are
+    /// The header bytes handed to [`parse_header`](super::header::parse_header) are
     /// not as many as the length prefix says.
     #[error("{}: header slice holds {got} bytes but the prefix says {expected}", path.display())]
     HeaderLenMismatch {
@@ -108,7 +108,7 @@ pub enum SafetensorsError {
         /// The repeated name.
         name: String,
     },
-    /// A tensor's dtype is not one of [`Dtype`](super::Dtype).
+    /// A tensor's dtype is not one of [`Dtype`](super::dtype::Dtype).
     #[error("{}: tensor {name:?} has unknown dtype {dtype:?}", path.display())]
     UnknownDtype {
         /// The file.
@@ -200,11 +200,11 @@ pub enum SafetensorsError {
         /// Actual length.
         got: u64,
     },
-    /// [`encode_header`](super::encode_header) was given an alignment that
+    /// [`encode_header`](super::encode::encode_header) was given an alignment that
     /// is not a power of two.
     #[error("{}: header alignment {align} is not a power of two", path.display())]
     BadAlignment {
-        /// [`ENCODE_PATH`](super::ENCODE_PATH).
+        /// [`ENCODE_PATH`](super::limits::ENCODE_PATH).
         path: PathBuf,
         /// The alignment asked for.
         align: usize,

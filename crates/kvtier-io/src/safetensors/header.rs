@@ -7,7 +7,7 @@ use std::path::Path;
 use super::dtype::Dtype;
 use super::error::SafetensorsError;
 use super::json::{RawHeader, parse_raw};
-use super::{MAX_HEADER_BYTES, PREFIX_BYTES};
+use super::limits::{MAX_HEADER_BYTES, PREFIX_BYTES};
 
 /// One tensor's entry in a header.
 #[derive(Debug, Clone, PartialEq, Eq)]

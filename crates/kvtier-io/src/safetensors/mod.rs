@@ -18,19 +18,12 @@ mod encode;
 mod error;
 mod header;
 mod json;
+mod limits;
 mod read;
 
 pub use dtype::Dtype;
 pub use encode::encode_header;
 pub use error::SafetensorsError;
 pub use header::{Header, TensorInfo, parse_header};
+pub use limits::{ENCODE_PATH, MAX_HEADER_BYTES, PREFIX_BYTES};
 pub use read::{read_header, read_header_from};
-
-/// Largest header accepted (same limit as the `safetensors` crate).
-pub const MAX_HEADER_BYTES: u64 = 100_000_000;
-
-/// Bytes of the little-endian header-length prefix.
-pub const PREFIX_BYTES: u64 = 8;
-
-/// The path reported by errors from [`encode_header`], which has no file.
-pub const ENCODE_PATH: &str = "<header being encoded>";

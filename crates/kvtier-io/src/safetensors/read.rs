@@ -8,7 +8,7 @@ use std::path::Path;
 
 use super::error::SafetensorsError;
 use super::header::{Header, parse_header};
-use super::{MAX_HEADER_BYTES, PREFIX_BYTES};
+use super::limits::{MAX_HEADER_BYTES, PREFIX_BYTES};
 
 /// Reads the 8-byte length and the header of the file at `path` (the size
 /// limit and the file length are checked before allocating) and validates

@@ -1,17 +1,19 @@
 //! The seam between [`RemoteTier`](super::RemoteTier) (breaker, time limits,
 //! batching, metrics) and the engines G4 runs on: one [`Backend`] trait and
 //! one implementation per engine, each in its own file and behind its cargo
-//! feature (`redis_backend`, `s3_backend`). [`open`] is the only place that
-//! knows which implementations were compiled in.
+//! feature (`redis_backend`, `s3_backend`), and what they share: where
+//! read values land and how they are checked ([`Landing`]). The tier's
+//! `open_backend` is the only place that knows which implementations were
+//! compiled in.
 
 use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
-use kvtier_io::AlignedBuf;
+use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
 
-use super::config::{RemoteConfig, Target};
-use super::{Fetched, Landing, RemoteError};
+use super::error::RemoteError;
 use crate::key::BlockKey;
+use crate::verify::BlockSpec;
 
 /// A value to write: its name in the pool, its buffer and how many of the
 /// buffer's bytes to send.
@@ -52,39 +54,79 @@ pub(crate) trait Backend: Send + Sync {
     fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), RemoteError>>;
 }
 
-/// The backend for `target`, or why this build has none.
-pub(crate) fn open(
-    config: &RemoteConfig,
-    target: &Target,
-) -> Result<Arc<dyn Backend>, RemoteError> {
-    let _ = config;
-    match target {
-        #[cfg(feature = "redis")]
-        Target::Redis(url) => Ok(Arc::new(super::redis_backend::RedisBackend::node(
-            url, config,
-        )?)),
-        #[cfg(feature = "redis")]
-        Target::RedisCluster(nodes) => Ok(Arc::new(super::redis_backend::RedisBackend::cluster(
-            nodes, config,
-        )?)),
-        #[cfg(feature = "s3")]
-        Target::S3 {
-            bucket,
-            endpoint,
-            region,
-            ..
-        } => Ok(Arc::new(super::s3_backend::S3Backend::new(
-            bucket,
-            endpoint.as_deref(),
-            region.as_deref(),
-            &config.s3,
-            config.connect_timeout,
-            config.timeout,
-        )?)),
-        #[allow(unreachable_patterns)]
-        other => Err(RemoteError::Config(format!(
-            "G4 {other:?}: this kvtier was built without the cargo feature for it \
-             (`redis` or `s3`)"
-        ))),
+/// What a read gives for one key: absent, a checked block, or why the
+/// value there was refused.
+pub type Fetched = Option<Result<AlignedBuf, String>>;
+
+/// Where values read from the pool land (block buffers of `slot` bytes from
+/// `alloc`) and how they are checked ([`BlockSpec::verify`]). Backends check
+/// each value as it lands, so on the hand-written read path checking
+/// overlaps the replies still arriving on other connections.
+#[derive(Clone)]
+pub struct Landing {
+    pub(crate) alloc: Arc<dyn HostAllocator>,
+    pub(crate) slot: usize,
+    pub(crate) spec: BlockSpec,
+}
+
+impl Landing {
+    /// Checks a value already in a block buffer (its length the value's,
+    /// its capacity at least a slot) and extends it to a whole local block
+    /// (zero padding); `Err` says why it was refused.
+    pub(crate) fn check(&self, key: &BlockKey, mut buf: AlignedBuf) -> Result<AlignedBuf, String> {
+        let len = buf.len();
+        self.spec.verify(&buf, key).map_err(|e| e.to_string())?;
+        if buf.capacity() < self.slot {
+            return Err(format!(
+                "{len} bytes in a buffer of {}, less than a block's {}",
+                buf.capacity(),
+                self.slot
+            ));
+        }
+        buf.set_len(self.slot);
+        buf[len..].fill(0);
+        Ok(buf)
     }
+
+    /// Copies a value into a block buffer, then checks it.
+    pub(crate) fn land(
+        &self,
+        key: &BlockKey,
+        value: &[u8],
+    ) -> Result<Result<AlignedBuf, String>, RemoteError> {
+        let buf = to_block_buf(value, &self.alloc, self.slot)?;
+        Ok(self.check(key, buf))
+    }
+
+    /// [`land`](Self::land) for every present value, in key order.
+    pub(crate) fn land_all<V: AsRef<[u8]>>(
+        &self,
+        values: Vec<Option<V>>,
+        keys: &[BlockKey],
+    ) -> Result<Vec<Fetched>, RemoteError> {
+        values
+            .into_iter()
+            .zip(keys)
+            .map(|(v, k)| v.map(|v| self.land(k, v.as_ref())).transpose())
+            .collect()
+    }
+}
+
+/// A value read from the pool, copied into a block buffer of `slot` bytes
+/// from `alloc` with its length set to the value's (the rest is zeroed by
+/// [`Landing::check`]). A value longer than a block comes back empty, so it
+/// fails verification.
+pub(crate) fn to_block_buf(
+    value: &[u8],
+    alloc: &Arc<dyn HostAllocator>,
+    slot: usize,
+) -> Result<AlignedBuf, RemoteError> {
+    if value.len() > slot {
+        return Ok(AlignedBuf::empty());
+    }
+    let mut buf = AlignedBuf::for_overwrite_in(alloc, slot, DIRECT_IO_ALIGN)
+        .map_err(|e| RemoteError::Backend(format!("no memory for a G4 block: {e}")))?;
+    buf[..value.len()].copy_from_slice(value);
+    buf.set_len(value.len());
+    Ok(buf)
 }

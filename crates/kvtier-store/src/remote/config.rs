@@ -21,8 +21,8 @@
 
 use std::time::Duration;
 
-use super::RemoteError;
 use super::breaker::BreakerConfig;
+use super::error::RemoteError;
 
 /// S3 settings that override the environment.
 #[derive(Clone, Default)]

@@ -25,6 +25,7 @@
 mod backend;
 pub mod breaker;
 pub mod config;
+mod error;
 #[cfg(feature = "redis")]
 mod redis_backend;
 #[cfg(feature = "redis")]
@@ -36,110 +37,17 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
+use kvtier_io::{AlignedBuf, HostAllocator};
 
+pub use backend::{Fetched, Landing};
 pub use breaker::{Breaker, BreakerConfig, BreakerState};
 pub use config::{RemoteConfig, S3Options, Target, parse_target, redact_url};
+pub use error::RemoteError;
 
 use crate::key::BlockKey;
 use crate::metrics::{RemoteMetrics, TierMetrics};
 use crate::verify::BlockSpec;
 use backend::Backend;
-
-/// Why a G4 operation failed. Callers of the store never see these: they
-/// become misses; they are logged and counted.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum RemoteError {
-    /// The URL or settings cannot work (reported when the store opens).
-    #[error("{0}")]
-    Config(String),
-    /// The pool answered with an error, or the connection failed.
-    #[error("G4 error: {0}")]
-    Backend(String),
-    /// The operation ran past its time limit.
-    #[error("G4 operation timed out after {0:?}")]
-    Timeout(Duration),
-    /// The circuit breaker is open: the operation was not sent.
-    #[error("G4 unavailable (circuit breaker open)")]
-    Unavailable,
-}
-
-/// What a read gives for one key: absent, a checked block, or why the
-/// value there was refused.
-pub type Fetched = Option<Result<AlignedBuf, String>>;
-
-/// Where values read from the pool land (block buffers of `slot` bytes from
-/// `alloc`) and how they are checked ([`BlockSpec::verify`]). Backends check
-/// each value as it lands, so on the hand-written read path checking
-/// overlaps the replies still arriving on other connections.
-#[derive(Clone)]
-pub struct Landing {
-    alloc: Arc<dyn HostAllocator>,
-    slot: usize,
-    spec: BlockSpec,
-}
-
-impl Landing {
-    /// Checks a value already in a block buffer (its length the value's,
-    /// its capacity at least a slot) and extends it to a whole local block
-    /// (zero padding); `Err` says why it was refused.
-    pub(crate) fn check(&self, key: &BlockKey, mut buf: AlignedBuf) -> Result<AlignedBuf, String> {
-        let len = buf.len();
-        self.spec.verify(&buf, key).map_err(|e| e.to_string())?;
-        if buf.capacity() < self.slot {
-            return Err(format!(
-                "{len} bytes in a buffer of {}, less than a block's {}",
-                buf.capacity(),
-                self.slot
-            ));
-        }
-        buf.set_len(self.slot);
-        buf[len..].fill(0);
-        Ok(buf)
-    }
-
-    /// Copies a value into a block buffer, then checks it.
-    pub(crate) fn land(
-        &self,
-        key: &BlockKey,
-        value: &[u8],
-    ) -> Result<Result<AlignedBuf, String>, RemoteError> {
-        let buf = to_block_buf(value, &self.alloc, self.slot)?;
-        Ok(self.check(key, buf))
-    }
-
-    /// [`land`](Self::land) for every present value, in key order.
-    pub(crate) fn land_all<V: AsRef<[u8]>>(
-        &self,
-        values: Vec<Option<V>>,
-        keys: &[BlockKey],
-    ) -> Result<Vec<Fetched>, RemoteError> {
-        values
-            .into_iter()
-            .zip(keys)
-            .map(|(v, k)| v.map(|v| self.land(k, v.as_ref())).transpose())
-            .collect()
-    }
-}
-
-/// A value read from the pool, copied into a block buffer of `slot` bytes
-/// from `alloc` with its length set to the value's (the rest is zeroed by
-/// [`Landing::check`]). A value longer than a block comes back empty, so it
-/// fails verification.
-pub(crate) fn to_block_buf(
-    value: &[u8],
-    alloc: &Arc<dyn HostAllocator>,
-    slot: usize,
-) -> Result<AlignedBuf, RemoteError> {
-    if value.len() > slot {
-        return Ok(AlignedBuf::empty());
-    }
-    let mut buf = AlignedBuf::for_overwrite_in(alloc, slot, DIRECT_IO_ALIGN)
-        .map_err(|e| RemoteError::Backend(format!("no memory for a G4 block: {e}")))?;
-    buf[..value.len()].copy_from_slice(value);
-    buf.set_len(value.len());
-    Ok(buf)
-}
 
 /// A block to write through to G4: its key, its encoded bytes and how many
 /// of them to send (header and payload; the padding stays home).
@@ -206,7 +114,7 @@ impl RemoteTier {
         // Building some clients (object_store's HTTP client) wants a runtime.
         let backend = {
             let _guard = rt.enter();
-            backend::open(config, &target)?
+            open_backend(config, &target)?
         };
         let batch_blocks = (config.batch_bytes / block_bytes.max(1)).clamp(1, 1 << 16) as usize;
         Ok(Self {
@@ -406,5 +314,37 @@ impl Drop for RemoteTier {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
+    }
+}
+
+/// The backend for `target`, or why this build has none.
+fn open_backend(config: &RemoteConfig, target: &Target) -> Result<Arc<dyn Backend>, RemoteError> {
+    let _ = config;
+    match target {
+        #[cfg(feature = "redis")]
+        Target::Redis(url) => Ok(Arc::new(redis_backend::RedisBackend::node(url, config)?)),
+        #[cfg(feature = "redis")]
+        Target::RedisCluster(nodes) => Ok(Arc::new(redis_backend::RedisBackend::cluster(
+            nodes, config,
+        )?)),
+        #[cfg(feature = "s3")]
+        Target::S3 {
+            bucket,
+            endpoint,
+            region,
+            ..
+        } => Ok(Arc::new(s3_backend::S3Backend::new(
+            bucket,
+            endpoint.as_deref(),
+            region.as_deref(),
+            &config.s3,
+            config.connect_timeout,
+            config.timeout,
+        )?)),
+        #[allow(unreachable_patterns)]
+        other => Err(RemoteError::Config(format!(
+            "G4 {other:?}: this kvtier was built without the cargo feature for it \
+             (`redis` or `s3`)"
+        ))),
     }
 }

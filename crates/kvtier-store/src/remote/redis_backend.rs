@@ -22,9 +22,10 @@ use redis::{Cmd, FromRedisValue, RedisError, TlsCertificates};
 use tokio::sync::Mutex;
 
 use super::backend::{Backend, NamedValue};
+use super::backend::{Fetched, Landing};
 use super::config::{RemoteConfig, redact_url};
+use super::error::RemoteError;
 use super::resp_get::{FastGet, NodeAddr};
-use super::{Fetched, Landing, RemoteError};
 use crate::key::BlockKey;
 
 #[derive(Clone)]

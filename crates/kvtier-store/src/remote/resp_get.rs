@@ -26,7 +26,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
-use super::{Fetched, Landing, RemoteError};
+use super::backend::{Fetched, Landing};
+use super::error::RemoteError;
 use crate::key::BlockKey;
 
 /// Bytes read at a time while looking for a reply header.

@@ -18,8 +18,9 @@ use object_store::path::Path;
 use object_store::{ClientOptions, ObjectStoreExt, PutPayload, RetryConfig};
 
 use super::backend::{Backend, NamedValue};
+use super::backend::{Fetched, Landing};
 use super::config::S3Options;
-use super::{Fetched, Landing, RemoteError};
+use super::error::RemoteError;
 use crate::key::BlockKey;
 
 /// An S3 G4 backend.

@@ -25,6 +25,7 @@
 //! * Dropping the last handle (or [`TieredStore::close`]) writes every block
 //!   not yet on disk to G3 and syncs it, so a clean stop keeps the cache.
 
+mod error;
 mod pending;
 mod read;
 mod write_back;
@@ -39,15 +40,16 @@ use parking_lot::Mutex;
 
 use crate::admission::SecondSighting;
 use crate::block::{BlockBuf, BlockError, HEADER_BYTES, encode_block};
-use crate::disk::{DiskConfig, DiskError, DiskTier};
+use crate::disk::{DiskConfig, DiskTier};
 use crate::handle::Handle;
 use crate::key::{BlockKey, ModelFingerprint};
 use crate::kv_layout::KvLayout;
 use crate::memory::{Evicted, MemoryTier};
 use crate::metrics::{StoreMetrics, Tier};
-use crate::remote::{RemoteConfig, RemoteError, RemoteTier};
+use crate::remote::{RemoteConfig, RemoteTier};
 use crate::verify::BlockSpec;
 use crate::workers::Workers;
+pub use error::StoreError;
 use write_back::{LocalBlock, WriteBack};
 use write_through::WriteThrough;
 
@@ -90,27 +92,6 @@ impl StoreConfig {
             remote: None,
         }
     }
-}
-
-/// Why a store operation failed.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// The configuration cannot work.
-    #[error("bad store configuration: {0}")]
-    Config(String),
-    /// The disk tier failed to open or write.
-    #[error(transparent)]
-    Disk(#[from] DiskError),
-    /// A block could not be encoded (wrong payload length, allocation).
-    #[error(transparent)]
-    Block(#[from] BlockError),
-    /// A background task failed.
-    #[error("store task failed: {0}")]
-    Task(String),
-    /// The G4 configuration cannot work (a pool that is down is not an
-    /// error: it is misses).
-    #[error(transparent)]
-    Remote(#[from] RemoteError),
 }
 
 /// How far a prefix is cached, and where each block is.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvtier_io::AlignedBuf;
 
-use super::StoreError;
+use super::error::StoreError;
 use super::pending::Pending;
 use super::writer::{WRITE_BATCH, Writer};
 use crate::disk::{DiskError, DiskTier, PutOutcome};

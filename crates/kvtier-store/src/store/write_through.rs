@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvtier_io::HostAllocator;
 
-use super::StoreError;
+use super::error::StoreError;
 use super::writer::Writer;
 use crate::metrics::StoreMetrics;
 use crate::remote::{RemoteBlock, RemoteConfig, RemoteTier};

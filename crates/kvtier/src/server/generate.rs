@@ -97,7 +97,7 @@ impl Generation {
             max_tokens,
             sampling,
             stop_tokens,
-            events: std_tx,
+            events: std_tx.into(),
         });
         if !submitted {
             return Err(ApiError::unavailable(

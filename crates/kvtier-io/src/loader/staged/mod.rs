@@ -35,7 +35,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use crate::buffer::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
-use crate::engine::{IoDone, IoEngine, IoOp};
+use crate::io_engine::IoEngine;
+use crate::io_op::{IoDone, IoOp};
 use crate::safetensors::{Header, TensorInfo};
 
 use super::error::LoadError;
