@@ -9,7 +9,7 @@
 //! * `kvtier checkpoint bench`: naive vs kvtier durable checkpoint saves
 //!   against the device's write limit.
 //! * `kvtier model init`: write an embedded default model (tiny, small).
-//! * `kvtier serve`: the OpenAI-compatible HTTP server ([`server`]).
+//! * `kvtier serve`: the OpenAI-compatible HTTP server (`kvtier-server`).
 //! * `kvtier prefill`: compute a prompt's KV and leave it in the G4 pool.
 //!
 //! Errors go to stderr with their causes, and the exit status is non-zero.
@@ -37,7 +37,6 @@ mod python_contenders;
 mod redis_benchmark;
 mod remote_flags;
 mod report;
-mod server;
 mod size;
 mod slot_layout;
 

@@ -2,7 +2,7 @@
 //!
 //! Requests are parsed leniently: unknown fields are ignored, and fields
 //! whose type varies (`prompt`, `stop`, message `content`) are taken as raw
-//! JSON and checked by [`super::validate`], so a wrong one gets an error
+//! JSON and checked by [`crate::validate`], so a wrong one gets an error
 //! naming it. Responses carry OpenAI's fields plus an additive `kvtier`
 //! object (cached tokens per tier, TTFT).
 

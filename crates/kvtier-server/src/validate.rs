@@ -5,9 +5,9 @@ use kvtier_engine::sampling::SamplingParams;
 use kvtier_engine::tokenizer::ChatMessage;
 use serde_json::Value;
 
-use super::errors::ApiError;
-use super::openai::{ChatMessageIn, CommonParams};
-use super::state::AppState;
+use crate::api_error::ApiError;
+use crate::app_state::AppState;
+use crate::openai::{ChatMessageIn, CommonParams};
 
 /// Most stop strings per request (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
@@ -38,6 +38,16 @@ pub enum Api {
     Completions,
     /// `/v1/chat/completions`.
     Chat,
+}
+
+impl Api {
+    /// The prefix of its response ids (`cmpl-...`, `chatcmpl-...`).
+    pub fn id_prefix(self) -> &'static str {
+        match self {
+            Api::Completions => "cmpl",
+            Api::Chat => "chatcmpl",
+        }
+    }
 }
 
 /// Checks the model name against the served one.

@@ -15,12 +15,12 @@ use kvtier_engine::CachedTokens;
 use kvtier_engine::scheduler::{GenerateEvent, GenerateRequest};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::errors::ApiError;
-use super::metrics::ServerMetrics;
-use super::openai::{KvtierExtras, PromptTokensDetails, TierTokens, Usage};
-use super::state::AppState;
-use super::text::{Detokenizer, StopMatcher, StopOutcome};
-use super::validate::Plan;
+use crate::api_error::ApiError;
+use crate::app_state::AppState;
+use crate::openai::{KvtierExtras, PromptTokensDetails, TierTokens, Usage};
+use crate::server_metrics::ServerMetrics;
+use crate::text_stream::{Detokenizer, StopMatcher, StopOutcome};
+use crate::validate::Plan;
 
 /// What the prefill reported.
 #[derive(Debug, Clone, Copy)]

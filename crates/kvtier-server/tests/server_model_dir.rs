@@ -1,5 +1,5 @@
-//! A broken model directory stops `kvtier serve` with a clear error naming
-//! the file and a non-zero exit: never a panic, never a server that starts.
+//! A broken model directory stops the server from starting with a clear
+//! error naming the file: never a panic, never a server that starts.
 
 // Test helpers may unwrap: a failure there is a test failure.
 #![allow(clippy::unwrap_used)]
@@ -7,49 +7,40 @@
 mod server_support;
 
 use std::path::Path;
-use std::process::Stdio;
-use std::time::{Duration, Instant};
 
+use kvtier_server::ServeOptions;
 use serde_json::{Value, json};
-use server_support::{STEP, base_args, init_model, kvtier};
+use server_support::{base_options, error_chain, init_model};
 
-/// Runs `kvtier serve` on `model`, asserts it fails cleanly, returns stderr.
+/// Starts a server on `model`, asserts it fails cleanly, returns the error
+/// with its causes.
 fn serve_fails(model: &Path) -> String {
-    serve_fails_with(model, &[])
+    serve_fails_with(model, |_| ())
 }
 
-/// [`serve_fails`] with `extra` flags.
-fn serve_fails_with(model: &Path, extra: &[&str]) -> String {
+/// [`serve_fails`] with the options changed by `opts`.
+fn serve_fails_with(model: &Path, opts: impl FnOnce(&mut ServeOptions)) -> String {
     let tmp = tempfile::tempdir().unwrap();
-    let mut child = kvtier()
-        .args(base_args(model, &tmp.path().join("cache")))
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t0.elapsed() > STEP {
-            let _ = child.kill();
-            panic!("kvtier serve kept running on a broken model directory");
+    let mut o = base_options(model, &tmp.path().join("cache"));
+    opts(&mut o);
+    let started =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kvtier_server::start(o)));
+    let Ok(result) = started else {
+        panic!("starting on a broken model directory panicked");
+    };
+    match result {
+        Ok(server) => {
+            let addr = server.addr();
+            drop(server);
+            panic!("a server started on a broken model directory ({addr})");
         }
-        std::thread::sleep(Duration::from_millis(20));
+        Err(e) => {
+            let err = error_chain(&e);
+            assert!(!err.is_empty());
+            assert!(!err.contains("panicked"), "{err}");
+            err
+        }
     }
-    let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "exit 0; stderr: {stderr}");
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "an error exit, not a crash: {stderr}"
-    );
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(!stdout.contains("listening"), "{stdout}");
-    assert!(stderr.contains("error:"), "{stderr}");
-    stderr
 }
 
 fn tiny() -> (tempfile::TempDir, std::path::PathBuf) {
@@ -145,10 +136,10 @@ fn truncated_weights_name_the_file() {
 #[test]
 fn an_unknown_or_unbuilt_device_is_a_clear_error() {
     let (_tmp, dir) = tiny();
-    let e = serve_fails_with(&dir, &["--device", "gpu"]);
+    let e = serve_fails_with(&dir, |o| o.device = "gpu".into());
     assert!(e.contains("expected cpu, cuda or cuda:N"), "{e}");
     if !cfg!(feature = "cuda") {
-        let e = serve_fails_with(&dir, &["--device", "cuda:0"]);
+        let e = serve_fails_with(&dir, |o| o.device = "cuda:0".into());
         assert!(e.contains("--features cuda"), "{e}");
     }
 }

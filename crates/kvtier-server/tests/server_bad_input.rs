@@ -11,7 +11,7 @@ const CHAT: &str = "/v1/chat/completions";
 
 #[test]
 fn malformed_json_is_400() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     for body in [
         &b"{\"model\": \"tiny\", \"prompt\": "[..],
         b"not json at all",
@@ -41,7 +41,7 @@ fn malformed_json_is_400() {
 
 #[test]
 fn wrong_content_type_is_415() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let body = json!({"model": "tiny", "prompt": "hi"}).to_string();
     for headers in [&[("Content-Type", "text/plain")][..], &[]] {
         let r = request(&s.addr, "POST", COMPLETIONS, headers, body.as_bytes());
@@ -52,7 +52,7 @@ fn wrong_content_type_is_415() {
 
 #[test]
 fn unknown_model_is_404() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let r = s.post(
         COMPLETIONS,
         &json!({"model": "gpt-9", "prompt": "hi", "max_tokens": 2}),
@@ -71,7 +71,7 @@ fn unknown_model_is_404() {
 
 #[test]
 fn empty_prompt_is_400() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     for prompt in [json!(""), json!([]), json!([""]), json!(null)] {
         let r = s.post(COMPLETIONS, &json!({"model": "tiny", "prompt": prompt}));
         r.assert_error(400, Some("prompt"));
@@ -88,8 +88,8 @@ fn empty_prompt_is_400() {
 
 #[test]
 fn prompt_over_the_limit_is_400() {
-    // The context is 512 tokens (see base_args); the limit here is 64.
-    let s = Server::start(&["--max-prompt-tokens", "64"]);
+    // The context is 512 tokens (see base_options); the limit here is 64.
+    let s = Server::start(|o| o.max_prompt_tokens = Some(64));
     let r = s.post(
         COMPLETIONS,
         &json!({"model": "tiny", "prompt": long_prompt(65), "max_tokens": 1}),
@@ -111,7 +111,7 @@ fn prompt_over_the_limit_is_400() {
     assert_eq!(r.status, 200, "{}", r.text());
 
     // Without the flag the limit is the context.
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let r = s.post(
         COMPLETIONS,
         &json!({"model": "tiny", "prompt": long_prompt(600), "max_tokens": 1}),
@@ -122,7 +122,7 @@ fn prompt_over_the_limit_is_400() {
 
 #[test]
 fn max_tokens_out_of_range_is_400() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     for max_tokens in [json!(0), json!(-1), json!(513), json!(1_000_000_000_000i64)] {
         let r = s.post(
             COMPLETIONS,
@@ -154,7 +154,7 @@ fn max_tokens_out_of_range_is_400() {
 
 #[test]
 fn temperature_and_top_p_out_of_range_are_400() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     for (field, value) in [
         ("temperature", json!(-0.1)),
         ("temperature", json!(2.5)),
@@ -175,7 +175,7 @@ fn temperature_and_top_p_out_of_range_are_400() {
 
 #[test]
 fn body_over_the_size_limit_is_413() {
-    let s = Server::start(&["--max-body-bytes", "64KiB"]);
+    let s = Server::start(|o| o.max_body_bytes = 64 << 10);
     let body = json!({"model": "tiny", "prompt": "x".repeat(100 << 10), "max_tokens": 1});
     let r = s.post(COMPLETIONS, &body);
     r.assert_error(413, None);
@@ -190,7 +190,7 @@ fn body_over_the_size_limit_is_413() {
 
 #[test]
 fn wrong_field_types_are_400() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     for body in [
         json!({"model": "tiny", "prompt": 5}),
         json!({"model": "tiny", "prompt": ["a", "b"]}),
@@ -219,7 +219,7 @@ fn wrong_field_types_are_400() {
 
 #[test]
 fn unknown_routes_and_methods_are_json_errors() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     s.get("/v1/nothing").assert_error(404, None);
     request(&s.addr, "POST", "/v1/models", &[], b"").assert_error(405, None);
     request(&s.addr, "GET", COMPLETIONS, &[], b"").assert_error(405, None);

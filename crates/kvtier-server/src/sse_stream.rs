@@ -15,11 +15,11 @@ use serde::Serialize;
 use tokio::sync::mpsc::Sender;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::generate::{Generation, Piece};
-use super::openai::{
+use crate::generate::{Generation, Piece};
+use crate::openai::{
     ChatChunk, ChatChunkChoice, CompletionChoice, CompletionResponse, Delta, KvtierExtras, Usage,
 };
-use super::validate::Api;
+use crate::validate::Api;
 
 /// Identity of a stream's chunks.
 #[derive(Debug, Clone)]

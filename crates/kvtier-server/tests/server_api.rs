@@ -24,7 +24,7 @@ fn chat(s: &Server, body: Value) -> Value {
 
 #[test]
 fn completion_returns_text_and_usage() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let v = complete(
         &s,
         json!({"model": "tiny", "prompt": "Hello, kvtier", "max_tokens": 7, "temperature": 0}),
@@ -76,7 +76,7 @@ fn completion_returns_text_and_usage() {
 
 #[test]
 fn chat_stream_matches_the_non_streamed_reply() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let messages = json!([
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": [{"type": "text", "text": "Say something."}]}
@@ -127,7 +127,7 @@ fn chat_stream_matches_the_non_streamed_reply() {
 
 #[test]
 fn completion_stream_parses_as_sse() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let body = json!({"model": "tiny", "prompt": "Stream me", "max_tokens": 12, "temperature": 0});
     let whole = complete(&s, body.clone());
     let mut sbody = body.clone();
@@ -147,7 +147,7 @@ fn completion_stream_parses_as_sse() {
 
 #[test]
 fn repeated_long_prompt_reports_cached_tokens() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let prompt = long_prompt(200);
     let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0});
     let first = complete(&s, body.clone());
@@ -188,7 +188,7 @@ fn repeated_long_prompt_reports_cached_tokens() {
 
 #[test]
 fn metrics_show_ttft_histogram_and_store_series() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     complete(
         &s,
         json!({"model": "tiny", "prompt": "measure me", "max_tokens": 5, "temperature": 0}),
@@ -222,7 +222,7 @@ fn metrics_show_ttft_histogram_and_store_series() {
 
 #[test]
 fn models_and_health() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let v = s.get("/v1/models").json();
     assert_eq!(v["object"], "list");
     let data = v["data"].as_array().unwrap();
@@ -235,7 +235,7 @@ fn models_and_health() {
     assert_eq!(h.status, 200);
     assert_eq!(h.json()["status"], "ok");
 
-    let named = Server::start(&["--model-name", "my-model"]);
+    let named = Server::start(|o| o.model_name = Some("my-model".into()));
     assert_eq!(named.get("/v1/models").json()["data"][0]["id"], "my-model");
     let r = named.post(
         "/v1/completions",
@@ -260,7 +260,7 @@ fn stop_from(text: &str) -> Option<(String, String)> {
 
 #[test]
 fn stop_strings_truncate_the_output() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let body = json!({"model": "tiny", "prompt": "Tell me a long story.", "max_tokens": 60,
                       "temperature": 0});
     let free = text_of(&complete(&s, body.clone()));
@@ -296,7 +296,7 @@ fn stop_strings_truncate_the_output() {
 
 #[test]
 fn seed_makes_sampling_reproducible() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let body = |seed: u64| {
         json!({"model": "tiny", "prompt": "Sample with a seed", "max_tokens": 32,
                "temperature": 1.0, "top_p": 0.95, "seed": seed})
@@ -318,7 +318,7 @@ fn seed_makes_sampling_reproducible() {
 
 #[test]
 fn greedy_output_is_identical_across_requests_and_without_prefix_reuse() {
-    let s = Server::start(&[]);
+    let s = Server::start(|_| ());
     let body = json!({"model": "tiny", "prompt": long_prompt(100), "max_tokens": 40,
                       "temperature": 0});
     let a = complete(&s, body.clone());
@@ -331,7 +331,7 @@ fn greedy_output_is_identical_across_requests_and_without_prefix_reuse() {
             > 0
     );
 
-    let off = Server::start(&["--no-prefix-reuse"]);
+    let off = Server::start(|o| o.prefix_reuse = false);
     let c = complete(&off, body.clone());
     let d = complete(&off, body);
     assert_eq!(text_of(&c), text_of(&a), "recompute = reuse");
@@ -340,7 +340,7 @@ fn greedy_output_is_identical_across_requests_and_without_prefix_reuse() {
 
 #[test]
 fn concurrent_clients_all_get_their_greedy_reply() {
-    let s = Server::start(&["--max-batch", "4"]);
+    let s = Server::start(|o| o.max_batch = 4);
     let prompts: Vec<String> = (0..8)
         .map(|i| format!("client {i}: {}", long_prompt(40 + i)))
         .collect();
@@ -387,7 +387,7 @@ fn metric(text: &str, name: &str) -> f64 {
 fn a_client_that_goes_away_mid_stream_ends_its_sequence() {
     use std::io::{Read, Write};
 
-    let s = Server::start(&["--max-seq-tokens", "8192"]);
+    let s = Server::start(|o| o.max_seq_tokens = 8192);
     let body = json!({"model": "tiny", "prompt": "Go on forever.", "max_tokens": 8000,
                       "temperature": 0, "stream": true})
     .to_string();

@@ -8,7 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use kvtier_engine::scheduler::Scheduler;
 use kvtier_engine::tokenizer::TextTokenizer;
 
-use super::metrics::ServerMetrics;
+use crate::server_metrics::ServerMetrics;
 
 /// Request limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

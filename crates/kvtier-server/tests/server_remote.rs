@@ -1,6 +1,6 @@
-//! G4 across processes: two `kvtier serve` processes with their own G2/G3
-//! and one real redis-server; `kvtier prefill` on one node, decode on
-//! another; Redis killed in the middle of a load.
+//! G4 across nodes: two servers with their own G2/G3 and one real
+//! redis-server; a prefill on one node, decode on another; Redis killed in
+//! the middle of a load.
 
 #![allow(clippy::unwrap_used)]
 
@@ -8,6 +8,8 @@ mod server_support;
 
 use std::time::{Duration, Instant};
 
+use kvtier_server::{PrefillOptions, prefill};
+use kvtier_store::RemoteConfig;
 use kvtier_testkit::RedisServer;
 use serde_json::{Value, json};
 use server_support::*;
@@ -41,12 +43,12 @@ fn metric(s: &Server, name: &str) -> f64 {
 fn a_prompt_served_by_one_server_is_restored_by_another_from_g4() {
     let redis = RedisServer::start().unwrap();
     let url = redis.url();
-    let a = Server::start(&["--remote", &url]);
+    let a = Server::start(|o| o.remote = remote(&url));
     let b_cache = a.root.join("cache-b");
-    let b = Server::start_in(
-        &a.root,
-        &["--remote", &url, "--cache-dir", b_cache.to_str().unwrap()],
-    );
+    let b = Server::start_in(&a.root, |o| {
+        o.remote = remote(&url);
+        o.cache_dir = b_cache.clone();
+    });
 
     let prompt = long_prompt(400);
     let from_a = complete(&a, &prompt);
@@ -70,37 +72,18 @@ fn a_prompt_served_by_one_server_is_restored_by_another_from_g4() {
         384.0
     );
     // No password or URL trouble in the logs.
-    assert!(a.stderr().contains(&url), "{}", a.stderr());
+    assert!(a.log().contains(&url), "{}", a.log());
 }
 
 #[test]
 fn prefill_on_one_node_leaves_the_kv_in_g4_for_the_decode_node() {
     let redis = RedisServer::start().unwrap();
     let url = redis.url();
-    let dec = Server::start(&["--remote", &url]);
+    let dec = Server::start(|o| o.remote = remote(&url));
     let prompt = long_prompt(300);
-    let prompt_file = dec.root.join("prompt.txt");
-    std::fs::write(&prompt_file, &prompt).unwrap();
-    let out = kvtier()
-        .args(["prefill", "--model"])
-        .arg(dec.root.join("tiny"))
-        .args([
-            "--remote",
-            &url,
-            "--block-tokens",
-            "16",
-            "--json",
-            "--prompt-file",
-        ])
-        .arg(&prompt_file)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut opts = PrefillOptions::new(dec.root.join("tiny"), &prompt, RemoteConfig::new(&url));
+    opts.block_tokens = 16;
+    let report = serde_json::to_value(prefill(&opts).unwrap()).unwrap();
     assert_eq!(report["prompt_tokens"], 300);
     assert_eq!(report["computed_tokens"], 300);
     assert_eq!(report["blocks"], 18);
@@ -114,25 +97,9 @@ fn prefill_on_one_node_leaves_the_kv_in_g4_for_the_decode_node() {
     assert_eq!(cached(&v), (18 * 16, 18 * 16), "{v}");
 
     // The same prompt through the chat template is another token sequence.
-    let out = kvtier()
-        .args(["prefill", "--chat", "--model"])
-        .arg(dec.root.join("tiny"))
-        .args([
-            "--remote",
-            &url,
-            "--block-tokens",
-            "16",
-            "--json",
-            "--prompt",
-            &prompt,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    opts.chat = true;
+    let report = prefill(&opts).unwrap();
+    assert_eq!(report.g4_dropped_blocks, 0);
     let r = dec.post(
         "/v1/chat/completions",
         &json!({"model": "tiny", "messages": [{"role": "user", "content": prompt}],
@@ -140,36 +107,25 @@ fn prefill_on_one_node_leaves_the_kv_in_g4_for_the_decode_node() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(cached(&r.json()).1 > 0, "{}", r.text());
-
-    // Without a pool, prefill refuses to run.
-    let out = kvtier()
-        .args(["prefill", "--model"])
-        .arg(dec.root.join("tiny"))
-        .args(["--prompt", "hello"])
-        .env_remove("KVTIER_REMOTE")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--remote"));
 }
 
 #[test]
 fn killing_redis_mid_load_costs_hits_never_requests_and_hits_resume_after_restart() {
     let mut redis = RedisServer::start().unwrap();
     let url = redis.url();
-    let flags = ["--remote", url.as_str(), "--remote-timeout-ms", "500"];
-    let a = Server::start(&flags);
+    let pool = || {
+        let mut rc = RemoteConfig::new(&url);
+        rc.timeout = Duration::from_millis(500);
+        Some(rc)
+    };
+    let a = Server::start(|o| o.remote = pool());
     let b_cache = a.root.join("cache-b");
-    let mut b_flags = flags.to_vec();
-    b_flags.extend([
-        "--cache-dir",
-        b_cache.to_str().unwrap(),
-        "--g2-bytes",
-        "0",
-        "--g3-bytes",
-        "0",
-    ]);
-    let b = Server::start_in(&a.root, &b_flags);
+    let b = Server::start_in(&a.root, |o| {
+        o.remote = pool();
+        o.cache_dir = b_cache.clone();
+        o.g2_bytes = 0;
+        o.g3_bytes = 0;
+    });
 
     // A load of distinct long prompts against both servers; Redis dies in
     // the middle of it. Every request must still complete (recompute).
