@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use crate::gates::GateResult;
+use crate::report_table::{Cell, Column, Table};
 use crate::stats::Percentiles;
 
 /// `2026-11-30T17-25-00Z`: an RFC 3339 UTC time usable as a directory name.
@@ -232,7 +233,67 @@ pub struct BenchReport {
     pub started_at: String,
 }
 
+/// The columns of the runs table, in the terminal and in Markdown.
+const RUN_COLUMNS: &[Column] = &[
+    Column::new("conc", "concurrency", 4, 0),
+    Column::new("mode", "mode", 9, 0),
+    Column::new("TTFT p50", "TTFT p50 (s)", 9, 3)
+        .text_decimals(2)
+        .suffixed(8, "s"),
+    Column::new("TTFT p90", "TTFT p90 (s)", 9, 3)
+        .text_decimals(2)
+        .suffixed(8, "s"),
+    Column::new("TTFT p99", "TTFT p99 (s)", 9, 3)
+        .text_decimals(2)
+        .suffixed(8, "s"),
+    Column::new("out tok/s", "output tok/s", 10, 1),
+    Column::new("J/token", "J/token", 9, 3),
+    Column::new("$/Mtok", "$/M tokens", 10, 2),
+    Column::new("restore", "restore GB/s", 9, 2).suffixed(6, "GB/s"),
+    Column::new("floor", "TTFT floor (s)", 9, 3)
+        .text_decimals(2)
+        .suffixed(8, "s"),
+    Column::new("failed", "failed", 6, 0),
+];
+
 impl BenchReport {
+    /// Every run, one row each.
+    fn runs_table(&self) -> Table {
+        let rows = self
+            .results
+            .iter()
+            .map(|r| {
+                vec![
+                    Cell::Int(u64::from(r.concurrency)),
+                    Cell::Text(r.mode.as_str().into()),
+                    Cell::Num(r.ttft_p50_s),
+                    Cell::Num(r.ttft_p90_s),
+                    Cell::Num(r.ttft_p99_s),
+                    Cell::Num(r.throughput_tok_s),
+                    Cell::Num(r.joules_per_token),
+                    Cell::Num(r.cost_per_mtok_usd),
+                    Cell::Num(r.restore_gbps),
+                    Cell::Num(r.floor_ttft_s),
+                    Cell::Int(r.failed as u64),
+                ]
+            })
+            .collect();
+        Table {
+            columns: RUN_COLUMNS,
+            rows,
+        }
+    }
+
+    /// Names of the gates that failed, comma-separated.
+    pub fn failed_gates(&self) -> String {
+        self.gates
+            .iter()
+            .filter(|g| !g.passed)
+            .map(|g| g.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// True when every gate passed.
     pub fn gates_passed(&self) -> bool {
         self.gates.iter().all(|g| g.passed)
@@ -240,37 +301,7 @@ impl BenchReport {
 
     /// The terminal table.
     pub fn table(&self) -> String {
-        let mut s = String::new();
-        s.push_str(&format!(
-            "{:>4} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9} {:>9} {:>6}\n",
-            "conc",
-            "mode",
-            "TTFT p50",
-            "TTFT p90",
-            "TTFT p99",
-            "out tok/s",
-            "J/token",
-            "$/Mtok",
-            "restore",
-            "floor",
-            "failed"
-        ));
-        for r in &self.results {
-            s.push_str(&format!(
-                "{:>4} {:>9} {:>8.2}s {:>8.2}s {:>8.2}s {:>10.1} {:>9.3} {:>10.2} {:>6.2}GB/s {:>8.2}s {:>6}\n",
-                r.concurrency,
-                r.mode.as_str(),
-                r.ttft_p50_s,
-                r.ttft_p90_s,
-                r.ttft_p99_s,
-                r.throughput_tok_s,
-                r.joules_per_token,
-                r.cost_per_mtok_usd,
-                r.restore_gbps,
-                r.floor_ttft_s,
-                r.failed
-            ));
-        }
+        let mut s = self.runs_table().text();
         s.push_str("\nkvtier / baseline\n");
         for q in &self.ratios {
             s.push_str(&format!(
@@ -332,24 +363,7 @@ impl BenchReport {
                 ""
             }
         );
-        s.push_str("| concurrency | mode | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | output tok/s | J/token | $/M tokens | restore GB/s | TTFT floor (s) | failed |\n");
-        s.push_str("|---|---|---|---|---|---|---|---|---|---|---|\n");
-        for r in &self.results {
-            s.push_str(&format!(
-                "| {} | {} | {:.3} | {:.3} | {:.3} | {:.1} | {:.3} | {:.2} | {:.2} | {:.3} | {} |\n",
-                r.concurrency,
-                r.mode.as_str(),
-                r.ttft_p50_s,
-                r.ttft_p90_s,
-                r.ttft_p99_s,
-                r.throughput_tok_s,
-                r.joules_per_token,
-                r.cost_per_mtok_usd,
-                r.restore_gbps,
-                r.floor_ttft_s,
-                r.failed
-            ));
-        }
+        s.push_str(&self.runs_table().markdown());
         s.push_str("\n| concurrency | TTFT p50 kvtier/baseline | throughput kvtier/baseline | J/token kvtier/baseline |\n|---|---|---|---|\n");
         for q in &self.ratios {
             s.push_str(&format!(
@@ -422,5 +436,40 @@ mod tests {
         assert_eq!(r.len(), 1, "no baseline at 8: no ratio");
         assert_eq!(r[0].ttft_p50, 0.25);
         assert_eq!(r[0].throughput, 2.0);
+    }
+
+    #[test]
+    fn the_runs_table_renders_as_text_and_markdown() {
+        let mk = |c, m, x: f64| RunSummary {
+            concurrency: c,
+            mode: m,
+            ttft_p50_s: x,
+            ttft_p90_s: x * 2.0,
+            ttft_p99_s: x * 3.0,
+            throughput_tok_s: 1234.56,
+            joules_per_token: 0.1234,
+            cost_per_mtok_usd: 12.345,
+            restore_gbps: 1.5,
+            floor_ttft_s: 0.01,
+            failed: 2,
+            ..Default::default()
+        };
+        let report = BenchReport {
+            results: vec![mk(1, Mode::Baseline, 0.5), mk(16, Mode::Kvtier, 123.456)],
+            ..Default::default()
+        };
+        let text = report.table();
+        assert!(text.starts_with(
+            "conc      mode  TTFT p50  TTFT p90  TTFT p99  out tok/s   J/token     $/Mtok   restore     floor failed\n\
+             \x20  1  baseline     0.50s     1.00s     1.50s     1234.6     0.123      12.35   1.50GB/s     0.01s      2\n\
+             \x20 16    kvtier   123.46s   246.91s   370.37s     1234.6     0.123      12.35   1.50GB/s     0.01s      2\n"
+        ), "{text}");
+        let md = report.markdown();
+        assert!(md.contains(
+            "| concurrency | mode | TTFT p50 (s) | TTFT p90 (s) | TTFT p99 (s) | output tok/s | J/token | $/M tokens | restore GB/s | TTFT floor (s) | failed |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|\n\
+             | 1 | baseline | 0.500 | 1.000 | 1.500 | 1234.6 | 0.123 | 12.35 | 1.50 | 0.010 | 2 |\n\
+             | 16 | kvtier | 123.456 | 246.912 | 370.368 | 1234.6 | 0.123 | 12.35 | 1.50 | 0.010 | 2 |\n"
+        ), "{md}");
     }
 }

@@ -8,8 +8,9 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvtier_server::PrefillOptions;
 
+use kvtier_bench::size::parse_size;
+
 use crate::remote_flags::RemoteFlags;
-use crate::size::parse_size;
 
 /// Flags of `kvtier prefill`.
 #[derive(Debug, Clone, Args)]

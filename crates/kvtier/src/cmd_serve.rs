@@ -8,8 +8,9 @@ use anyhow::Result;
 use clap::Args;
 use kvtier_server::ServeOptions;
 
+use kvtier_bench::size::parse_size;
+
 use crate::remote_flags::RemoteFlags;
-use crate::size::parse_size;
 
 /// Flags of `kvtier serve`.
 #[derive(Debug, Clone, Args)]
@@ -126,24 +127,4 @@ impl ServeArgs {
 /// Runs `kvtier serve` until SIGINT/SIGTERM.
 pub fn run(args: &ServeArgs) -> Result<()> {
     Ok(kvtier_server::run(args.options())?)
-}
-
-#[cfg(test)]
-mod tests {
-    use clap::Parser;
-
-    use crate::cli::{Cli, Command};
-
-    #[test]
-    fn flag_defaults_are_the_library_defaults() {
-        if std::env::var_os("KVTIER_REMOTE").is_some() {
-            return;
-        }
-        let cli = Cli::try_parse_from(["kvtier", "serve", "--model", "m"]).unwrap();
-        let Command::Serve(args) = cli.command else {
-            panic!("not serve")
-        };
-        let want = kvtier_server::ServeOptions::new("m");
-        assert_eq!(format!("{:?}", args.options()), format!("{want:?}"));
-    }
 }

@@ -14,36 +14,23 @@
 //!
 //! Errors go to stderr with their causes, and the exit status is non-zero.
 
-mod bench_blocks;
-mod bench_checkpoint;
-mod bench_dirs;
-mod bench_g4;
-mod bench_model;
-mod bench_model_report;
-mod bench_store;
 mod cli;
 mod cli_model;
 mod cmd_bench;
 mod cmd_info;
+mod cmd_model;
 mod cmd_model_init;
-mod cmd_model_load;
-mod cmd_model_synth;
 mod cmd_prefill;
 mod cmd_serve;
-mod device_limit;
-mod host;
-mod load_contenders;
-mod python_contenders;
-mod redis_benchmark;
+mod cmd_store;
 mod remote_flags;
-mod report;
-mod size;
-mod slot_layout;
 
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use kvtier_bench::TextReport;
+use serde::Serialize;
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::{CheckpointCommand, Cli, Command, ModelCommand, StoreCommand};
@@ -61,17 +48,28 @@ fn init_logging(filter: Option<&str>) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("cannot set up logging: {e}"))
 }
 
+/// How every command with `--json` ends: exactly one JSON object on
+/// stdout, else the report's table.
+pub fn print_report<R: Serialize + TextReport>(report: &R, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+    } else {
+        print!("{}", report.table());
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
     init_logging(cli.log.as_deref())?;
     match cli.command {
         Command::Bench(args) => cmd_bench::run(&args),
         Command::Info(args) => cmd_info::run(&args),
-        Command::Store(StoreCommand::Bench(args)) => bench_store::run(&args),
+        Command::Store(StoreCommand::Bench(args)) => cmd_store::run(&args),
         Command::Model(ModelCommand::Init(args)) => cmd_model_init::run(&args),
-        Command::Model(ModelCommand::Load(args)) => cmd_model_load::run(&args),
-        Command::Model(ModelCommand::Bench(args)) => bench_model::run(&args),
-        Command::Model(ModelCommand::Synth(args)) => cmd_model_synth::run(&args),
-        Command::Checkpoint(CheckpointCommand::Bench(args)) => bench_checkpoint::run(&args),
+        Command::Model(ModelCommand::Load(args)) => cmd_model::load(&args),
+        Command::Model(ModelCommand::Bench(args)) => cmd_model::bench(&args),
+        Command::Model(ModelCommand::Synth(args)) => cmd_model::synth(&args),
+        Command::Checkpoint(CheckpointCommand::Bench(args)) => cmd_model::checkpoint_bench(&args),
         Command::Serve(args) => cmd_serve::run(&args),
         Command::Prefill(args) => cmd_prefill::run(&args),
     }

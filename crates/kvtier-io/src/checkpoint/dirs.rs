@@ -35,7 +35,7 @@ pub(crate) fn is_plain_file_name(name: &str) -> bool {
 }
 
 /// fsyncs a directory, making renames, creations and unlinks in it durable.
-pub(crate) fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
+pub fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| CheckpointError::io("fsync directory", dir, e))

@@ -107,7 +107,7 @@ use crate::recycle::RecyclingAllocator;
 use crate::safetensors::Dtype;
 
 pub use background::{SaveHandle, save_async};
-pub use dirs::{cleanup, shard_file_name};
+pub use dirs::{cleanup, fsync_dir, shard_file_name};
 pub use error::CheckpointError;
 pub use layout::TENSOR_ALIGN;
 pub use manifest::{

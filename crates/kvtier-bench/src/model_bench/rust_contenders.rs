@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use crate::error::{BenchError, Result, StepContext, fail};
 use kvtier_io::loader::{LoadStats, LoaderConfig, load_shards};
 use kvtier_io::{HostAllocator, IoEngine};
 use safetensors::SafeTensors;
@@ -66,7 +66,7 @@ pub fn touch(data: &[u8]) -> u64 {
 /// touches every tensor. Returns (tensors, checksum).
 fn parse_and_touch(path: &Path, bytes: &[u8]) -> Result<(usize, u64)> {
     let st = SafeTensors::deserialize(bytes)
-        .map_err(|e| anyhow::anyhow!("{}: safetensors crate: {e}", path.display()))?;
+        .map_err(|e| BenchError::Failed(format!("{}: safetensors crate: {e}", path.display())))?;
     let mut acc = 0u64;
     let mut n = 0;
     for (_name, view) in st.iter() {
@@ -78,7 +78,7 @@ fn parse_and_touch(path: &Path, bytes: &[u8]) -> Result<(usize, u64)> {
 
 fn file_len(path: &Path) -> Result<u64> {
     Ok(std::fs::metadata(path)
-        .with_context(|| format!("cannot stat {}", path.display()))?
+        .with_step(|| format!("cannot stat {}", path.display()))?
         .len())
 }
 
@@ -88,7 +88,7 @@ pub fn naive(paths: &[PathBuf]) -> Result<Loaded> {
     let mut held = Vec::with_capacity(paths.len());
     let (mut tensors, mut checksum, mut bytes) = (0, 0u64, 0u64);
     for p in paths {
-        let data = std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?;
+        let data = std::fs::read(p).with_step(|| format!("cannot read {}", p.display()))?;
         let (n, acc) = parse_and_touch(p, &data)?;
         tensors += n;
         checksum = checksum.wrapping_add(acc);
@@ -117,7 +117,7 @@ impl NaivePool {
     pub fn new(paths: &[PathBuf]) -> Result<Self> {
         let mut bufs = Vec::with_capacity(paths.len());
         for p in paths {
-            let len = usize::try_from(file_len(p)?).context("shard too large")?;
+            let len = usize::try_from(file_len(p)?).step("shard too large")?;
             // `vec![1; n]` writes every byte (unlike a zeroed allocation,
             // which the kernel maps lazily).
             bufs.push(vec![1u8; len]);
@@ -132,16 +132,16 @@ pub fn naive_warm(paths: &[PathBuf], pool: &mut NaivePool) -> Result<Loaded> {
     let t = Instant::now();
     let (mut tensors, mut checksum, mut bytes) = (0, 0u64, 0u64);
     for (p, buf) in paths.iter().zip(pool.bufs.iter_mut()) {
-        let mut f = File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
+        let mut f = File::open(p).with_step(|| format!("cannot open {}", p.display()))?;
         let len = f
             .metadata()
-            .with_context(|| format!("cannot stat {}", p.display()))?
+            .with_step(|| format!("cannot stat {}", p.display()))?
             .len();
         if len != buf.len() as u64 {
-            anyhow::bail!("{} changed size during the bench", p.display());
+            fail!("{} changed size during the bench", p.display());
         }
         f.read_exact(buf)
-            .with_context(|| format!("cannot read {}", p.display()))?;
+            .with_step(|| format!("cannot read {}", p.display()))?;
         let (n, acc) = parse_and_touch(p, buf)?;
         tensors += n;
         checksum = checksum.wrapping_add(acc);
@@ -161,11 +161,11 @@ pub fn mmap(paths: &[PathBuf]) -> Result<Loaded> {
     let mut maps = Vec::with_capacity(paths.len());
     let (mut tensors, mut checksum, mut bytes) = (0, 0u64, 0u64);
     for p in paths {
-        let f = File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
+        let f = File::open(p).with_step(|| format!("cannot open {}", p.display()))?;
         // SAFETY: the bench's own model files are not modified while mapped
         // (the same assumption every mmap loader makes).
         let map = unsafe { memmap2::Mmap::map(&f) }
-            .with_context(|| format!("cannot mmap {}", p.display()))?;
+            .with_step(|| format!("cannot mmap {}", p.display()))?;
         let (n, acc) = parse_and_touch(p, &map)?;
         tensors += n;
         checksum = checksum.wrapping_add(acc);
@@ -191,7 +191,7 @@ pub fn kvtier(
     alloc: &Arc<dyn HostAllocator>,
 ) -> Result<(Loaded, LoadStats)> {
     let t = Instant::now();
-    let (shards, stats) = load_shards(paths, cfg, engine, alloc).context("kvtier loader")?;
+    let (shards, stats) = load_shards(paths, cfg, engine, alloc).step("kvtier loader")?;
     let (mut tensors, mut checksum) = (0, 0u64);
     for s in &shards {
         for v in s.tensors() {
@@ -217,7 +217,7 @@ mod tests {
     use kvtier_io::system_allocator;
 
     use super::*;
-    use crate::cmd_model_synth::{plan_model, write_model};
+    use crate::model_synth::{plan_model, write_model};
 
     #[test]
     fn touch_reads_one_word_per_page() {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use crate::error::{BenchError, Result, StepContext, fail};
 use kvtier_store::remote::redact_url;
 
 /// How redis-benchmark reaches a `redis://` / `rediss://` node.
@@ -229,17 +229,20 @@ pub(crate) fn find_redis_benchmark() -> Result<PathBuf> {
     if let Some(v) = std::env::var_os("KVTIER_REDIS_BENCHMARK").filter(|v| !v.is_empty()) {
         let v = v.to_string_lossy().into_owned();
         return on_path(&v).ok_or_else(|| {
-            anyhow!("$KVTIER_REDIS_BENCHMARK is {v:?}, which is not an executable")
+            BenchError::Failed(format!(
+                "$KVTIER_REDIS_BENCHMARK is {v:?}, which is not an executable"
+            ))
         });
     }
     ["redis-benchmark", "valkey-benchmark"]
         .iter()
         .find_map(|n| on_path(n))
         .ok_or_else(|| {
-            anyhow!(
+            BenchError::Failed(
                 "redis-benchmark not found on PATH (--tier g4 measures it beside G4): \
                  install it (apt-get install redis-tools, dnf install redis, brew install \
                  redis, or valkey-benchmark from valkey) or point $KVTIER_REDIS_BENCHMARK at it"
+                    .into(),
             )
         })
 }
@@ -271,7 +274,7 @@ impl RedisBenchmark {
             .stderr(Stdio::piped());
         let mut child = cmd
             .spawn()
-            .with_context(|| format!("cannot run {}", self.bin.display()))?;
+            .with_step(|| format!("cannot run {}", self.bin.display()))?;
         let readers = [
             read_all(
                 child
@@ -288,7 +291,7 @@ impl RedisBenchmark {
         ];
         let deadline = Instant::now() + self.timeout;
         let status = loop {
-            if let Some(st) = child.try_wait().context("waiting for redis-benchmark")? {
+            if let Some(st) = child.try_wait().step("waiting for redis-benchmark")? {
                 break Some(st);
             }
             if Instant::now() > deadline {
@@ -312,7 +315,7 @@ impl RedisBenchmark {
             s[start..].to_string()
         };
         let Some(status) = status else {
-            bail!(
+            fail!(
                 "redis-benchmark ran past {:?} and was stopped; output: {} {}",
                 self.timeout,
                 tail(&out),
@@ -321,7 +324,7 @@ impl RedisBenchmark {
         };
         match parse_get_rps(&out) {
             Some(rps) if status.success() => Ok(rps),
-            _ => bail!(
+            _ => fail!(
                 "redis-benchmark failed ({status}) or printed no GET rate; stdout: {:?}; \
                  stderr: {:?}",
                 tail(&out),

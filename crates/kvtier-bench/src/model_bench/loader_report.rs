@@ -1,10 +1,12 @@
-//! `kvtier model bench` results: the JSON contract and the text table.
+//! The model bench's results: the JSON contract and the text table.
 
 use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use crate::TextReport;
 use crate::size::format_size;
+use crate::stats::format_samples;
 
 /// One contender in one mode.
 #[derive(Debug, Clone, Serialize)]
@@ -107,19 +109,17 @@ pub struct ModelBenchReport {
     pub prefault: bool,
 }
 
-fn samples(v: &[f64]) -> String {
-    v.iter()
-        .map(|x| format!("{x:.2}"))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 fn ratio(r: Option<f64>) -> String {
     r.map_or_else(|| "-".to_string(), |x| format!("{x:.2}"))
 }
 
-/// The human-readable report.
-pub fn render_table(r: &ModelBenchReport) -> String {
+impl TextReport for ModelBenchReport {
+    fn table(&self) -> String {
+        render_table(self)
+    }
+}
+
+fn render_table(r: &ModelBenchReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -163,14 +163,14 @@ pub fn render_table(r: &ModelBenchReport) -> String {
         format_size(r.limit_file_bytes),
         format_size(r.limit_io_bytes),
         r.device_limit_samples_gbps.len(),
-        samples(&r.device_limit_samples_gbps)
+        format_samples(&r.device_limit_samples_gbps)
     );
     let _ = writeln!(
         out,
         "first touch:   {:.2} GB/s (fresh RAM faulted in by one thread, after the settle; median of {}: {})",
         r.first_touch_gbps,
         r.first_touch_samples_gbps.len(),
-        samples(&r.first_touch_samples_gbps)
+        format_samples(&r.first_touch_samples_gbps)
     );
     for s in &r.skipped {
         let _ = writeln!(out, "skipped:       {}: {}", s.name, s.reason);
@@ -193,7 +193,7 @@ pub fn render_table(r: &ModelBenchReport) -> String {
             l.fraction_of_first_touch,
             ratio(l.ratio_vs_naive),
             ratio(l.ratio_vs_runai),
-            samples(&l.samples_gbps)
+            format_samples(&l.samples_gbps)
         );
     }
     let notes: Vec<String> = r

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
+use crate::error::{Result, StepContext, fail};
 
 use crate::host::free_bytes;
 use crate::size::format_size;
@@ -34,17 +34,17 @@ impl RunDirs {
         keep: bool,
     ) -> Result<Self> {
         if roots.is_empty() {
-            bail!("no bench directory given");
+            fail!("no bench directory given");
         }
         // Needs per file system (st_dev), so stripes on one device add up.
         let mut need: BTreeMap<u64, (u64, PathBuf)> = BTreeMap::new();
         for (i, root) in roots.iter().enumerate() {
             std::fs::create_dir_all(root)
-                .with_context(|| format!("cannot create bench directory {}", root.display()))?;
-            let meta = std::fs::metadata(root)
-                .with_context(|| format!("cannot stat {}", root.display()))?;
+                .with_step(|| format!("cannot create bench directory {}", root.display()))?;
+            let meta =
+                std::fs::metadata(root).with_step(|| format!("cannot stat {}", root.display()))?;
             if !meta.is_dir() {
-                bail!("{} is not a directory", root.display());
+                fail!("{} is not a directory", root.display());
             }
             let share = (bytes_per_root as f64 * SPACE_FACTOR).ceil() as u64
                 + if i == 0 { extra_first } else { 0 };
@@ -53,9 +53,9 @@ impl RunDirs {
         }
         for (bytes, root) in need.values() {
             let free = free_bytes(root)
-                .with_context(|| format!("cannot read free space of {}", root.display()))?;
+                .with_step(|| format!("cannot read free space of {}", root.display()))?;
             if free < *bytes {
-                bail!(
+                fail!(
                     "not enough free disk space in {}: the bench needs {} ({SPACE_FACTOR} x the block set plus the device-limit file) but {} is free; \
                      use a smaller --total-bytes or another --dir",
                     root.display(),
@@ -70,7 +70,7 @@ impl RunDirs {
         };
         for root in roots {
             let dir = root.join(format!("kvtier-bench-{}", std::process::id()));
-            std::fs::create_dir(&dir).with_context(|| {
+            std::fs::create_dir(&dir).with_step(|| {
                 format!(
                     "cannot create {} (is {} writable?)",
                     dir.display(),

@@ -1,5 +1,5 @@
-//! `kvtier model synth`: writes a synthetic sharded safetensors model of a
-//! given size (pseudo-random F16 and F32 tensors, the Hugging Face shard
+//! The synthetic model writer (`kvtier model synth`): a sharded
+//! safetensors model of a given size (pseudo-random F16 and F32 tensors, the Hugging Face shard
 //! names and `model.safetensors.index.json`), to benchmark loaders on.
 //!
 //! Tensors are F16 and F32 rather than BF16 so that every contender,
@@ -12,13 +12,15 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use crate::error::{Result, StepContext, fail};
+use kvtier_io::checkpoint::fsync_dir;
 use kvtier_io::loader::{INDEX_FILE, SINGLE_FILE};
 use kvtier_io::safetensors::{Dtype, TensorInfo, encode_header};
 
-use crate::bench_store::progress_bar;
-use crate::cli_model::ModelSynthArgs;
+use crate::TextReport;
+use crate::fill::{fill_random, random_state};
 use crate::host::free_bytes;
+use crate::progress::progress_bar;
 use crate::size::format_size;
 
 /// Largest tensor of a synthetic model.
@@ -69,7 +71,7 @@ pub fn plan_model(total: u64, shards: u32) -> Result<Vec<ShardPlan>> {
     let n = u64::from(shards.max(1));
     let per_shard = total / n / 4 * 4;
     if per_shard == 0 {
-        bail!(
+        fail!(
             "{} is too small for {n} shard(s): each needs at least 4 bytes of tensor data",
             format_size(total)
         );
@@ -113,26 +115,13 @@ pub fn plan_model(total: u64, shards: u32) -> Result<Vec<ShardPlan>> {
     Ok(out)
 }
 
-/// Fills `buf` with xorshift64* output continuing from `state`.
-fn fill_random(buf: &mut [u8], state: &mut u64) {
-    let mut x = *state;
-    for w in buf.chunks_mut(8) {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        let v = x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
-        w.copy_from_slice(&v[..w.len()]);
-    }
-    *state = x;
-}
-
 /// Removes an existing model from `dir` when `force`, else refuses to
 /// overwrite one.
 fn clear_dir(dir: &Path, force: bool) -> Result<()> {
     let mut existing: Vec<PathBuf> = Vec::new();
-    for entry in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+    for entry in std::fs::read_dir(dir).with_step(|| format!("cannot list {}", dir.display()))? {
         let path = entry
-            .with_context(|| format!("cannot list {}", dir.display()))?
+            .with_step(|| format!("cannot list {}", dir.display()))?
             .path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         if name.ends_with(".safetensors") || name == INDEX_FILE {
@@ -143,7 +132,7 @@ fn clear_dir(dir: &Path, force: bool) -> Result<()> {
         return Ok(());
     }
     if !force {
-        bail!(
+        fail!(
             "{} already holds a model ({} file(s) such as {}); pass --force to replace it",
             dir.display(),
             existing.len(),
@@ -151,7 +140,7 @@ fn clear_dir(dir: &Path, force: bool) -> Result<()> {
         );
     }
     for p in existing {
-        std::fs::remove_file(&p).with_context(|| format!("cannot remove {}", p.display()))?;
+        std::fs::remove_file(&p).with_step(|| format!("cannot remove {}", p.display()))?;
     }
     Ok(())
 }
@@ -172,7 +161,7 @@ pub struct Synthesized {
 pub fn write_model(dir: &Path, plan: &[ShardPlan], seed: u64, quiet: bool) -> Result<Synthesized> {
     let total: u64 = plan.iter().map(ShardPlan::data_bytes).sum();
     let pb = progress_bar(total, quiet);
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut state = random_state(seed);
     let mut chunk = vec![0u8; WRITE_CHUNK];
     let mut files = Vec::with_capacity(plan.len());
     let mut file_bytes = 0u64;
@@ -183,22 +172,22 @@ pub fn write_model(dir: &Path, plan: &[ShardPlan], seed: u64, quiet: bool) -> Re
         let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), "pt".to_string());
         let header = encode_header(&shard.tensors, &meta, 8)
-            .with_context(|| format!("encoding the header of {}", shard.file))?;
+            .with_step(|| format!("encoding the header of {}", shard.file))?;
         let mut f =
-            File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+            File::create(&path).with_step(|| format!("cannot create {}", path.display()))?;
         f.write_all(&header)
-            .with_context(|| format!("writing {}", path.display()))?;
+            .with_step(|| format!("writing {}", path.display()))?;
         let mut left = shard.data_bytes();
         while left > 0 {
             let n = (left as usize).min(WRITE_CHUNK);
             fill_random(&mut chunk[..n], &mut state);
             f.write_all(&chunk[..n])
-                .with_context(|| format!("writing {}", path.display()))?;
+                .with_step(|| format!("writing {}", path.display()))?;
             left -= n as u64;
             pb.inc(n as u64);
         }
         f.sync_all()
-            .with_context(|| format!("syncing {}", path.display()))?;
+            .with_step(|| format!("syncing {}", path.display()))?;
         file_bytes += header.len() as u64 + shard.data_bytes();
         for t in &shard.tensors {
             weight_map.insert(t.name.clone(), shard.file.clone());
@@ -213,13 +202,11 @@ pub fn write_model(dir: &Path, plan: &[ShardPlan], seed: u64, quiet: bool) -> Re
     let index_path = dir.join(INDEX_FILE);
     let text = serde_json::to_vec_pretty(&index)?;
     let mut f = File::create(&index_path)
-        .with_context(|| format!("cannot create {}", index_path.display()))?;
+        .with_step(|| format!("cannot create {}", index_path.display()))?;
     f.write_all(&text)
         .and_then(|()| f.sync_all())
-        .with_context(|| format!("writing {}", index_path.display()))?;
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .with_context(|| format!("syncing directory {}", dir.display()))?;
+        .with_step(|| format!("writing {}", index_path.display()))?;
+    fsync_dir(dir)?;
     Ok(Synthesized {
         files,
         file_bytes,
@@ -227,13 +214,71 @@ pub fn write_model(dir: &Path, plan: &[ShardPlan], seed: u64, quiet: bool) -> Re
     })
 }
 
-/// Runs `kvtier model synth`.
-pub fn run(args: &ModelSynthArgs) -> Result<()> {
+/// What to write (`kvtier model synth`).
+#[derive(Debug, Clone)]
+pub struct ModelSynthOptions {
+    /// Directory to write the model into (created if missing).
+    pub dir: PathBuf,
+    /// Bytes of tensor data in all.
+    pub bytes: u64,
+    /// Number of shard files.
+    pub shards: u32,
+    /// Replace an existing model in `dir` (its `*.safetensors` and index).
+    pub force: bool,
+    /// Seed of the pseudo-random tensor contents.
+    pub seed: u64,
+    /// Show a progress bar on stderr.
+    pub progress: bool,
+}
+
+impl ModelSynthOptions {
+    /// `kvtier model synth`'s defaults (4 GiB in 2 shards, seed 1) into
+    /// `dir`.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            bytes: 4 << 30,
+            shards: 2,
+            force: false,
+            seed: 1,
+            progress: true,
+        }
+    }
+}
+
+/// What [`run_model_synth`] wrote.
+#[derive(Debug, Clone)]
+pub struct SynthReport {
+    /// The model directory.
+    pub dir: PathBuf,
+    /// The model.
+    pub model: Synthesized,
+    /// Seconds the writing took.
+    pub seconds: f64,
+}
+
+impl TextReport for SynthReport {
+    fn table(&self) -> String {
+        format!(
+            "wrote {}: {} in {} shard(s), {} tensors (F16/F32), {:.1} s ({:.2} GB/s)\n",
+            self.dir.display(),
+            format_size(self.model.file_bytes),
+            self.model.files.len(),
+            self.model.tensors,
+            self.seconds,
+            self.model.file_bytes as f64 / self.seconds.max(1e-9) / 1e9
+        )
+    }
+}
+
+/// Writes the synthetic model `args` describe, after checking that `dir`
+/// holds no model (unless `force`) and has the room.
+pub fn run_model_synth(args: &ModelSynthOptions) -> Result<SynthReport> {
     let plan = plan_model(args.bytes, args.shards)?;
     let dir = &args.dir;
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    std::fs::create_dir_all(dir).with_step(|| format!("cannot create {}", dir.display()))?;
     if dir.join(SINGLE_FILE).exists() && !args.force {
-        bail!(
+        fail!(
             "{} already holds {SINGLE_FILE}; pass --force to replace it",
             dir.display()
         );
@@ -242,9 +287,9 @@ pub fn run(args: &ModelSynthArgs) -> Result<()> {
     let data: u64 = plan.iter().map(ShardPlan::data_bytes).sum();
     let need = data + data / 100 + (1 << 20);
     let free =
-        free_bytes(dir).with_context(|| format!("cannot read free space of {}", dir.display()))?;
+        free_bytes(dir).with_step(|| format!("cannot read free space of {}", dir.display()))?;
     if free < need {
-        bail!(
+        fail!(
             "not enough free disk space in {}: the model needs {} but {} is free",
             dir.display(),
             format_size(need),
@@ -252,18 +297,12 @@ pub fn run(args: &ModelSynthArgs) -> Result<()> {
         );
     }
     let t = Instant::now();
-    let out = write_model(dir, &plan, args.seed, false)?;
-    let secs = t.elapsed().as_secs_f64();
-    println!(
-        "wrote {}: {} in {} shard(s), {} tensors (F16/F32), {:.1} s ({:.2} GB/s)",
-        dir.display(),
-        format_size(out.file_bytes),
-        out.files.len(),
-        out.tensors,
-        secs,
-        out.file_bytes as f64 / secs.max(1e-9) / 1e9
-    );
-    Ok(())
+    let model = write_model(dir, &plan, args.seed, !args.progress)?;
+    Ok(SynthReport {
+        dir: dir.clone(),
+        model,
+        seconds: t.elapsed().as_secs_f64(),
+    })
 }
 
 #[cfg(test)]

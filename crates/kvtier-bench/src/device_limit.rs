@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use crate::error::{Result, StepContext, fail};
 use kvtier_io::direct::open_read;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoEngine, IoOp, open_direct};
 
@@ -63,7 +63,7 @@ fn write_sequential(
     engine: &IoEngine,
 ) -> Result<f64> {
     let Some(io) = patterns.first().map(|p| p.len() as u64).filter(|&n| n > 0) else {
-        bail!("no write pattern");
+        fail!("no write pattern");
     };
     let n = bytes / io;
     let t = Instant::now();
@@ -79,10 +79,10 @@ fn write_sequential(
         .enumerate()
     {
         d.result
-            .with_context(|| format!("writing {} (I/O {i})", path.display()))?;
+            .with_step(|| format!("writing {} (I/O {i})", path.display()))?;
     }
     file.sync_data()
-        .with_context(|| format!("syncing {}", path.display()))?;
+        .with_step(|| format!("syncing {}", path.display()))?;
     Ok(gbps(bytes, t.elapsed().as_secs_f64()))
 }
 
@@ -123,7 +123,7 @@ pub fn measure_write(
         .max(1);
     let bytes = bytes.div_ceil(io).max(1) * io;
     let file = open_direct(path, true, direct)
-        .with_context(|| format!("cannot create device write-limit file {}", path.display()))?;
+        .with_step(|| format!("cannot create device write-limit file {}", path.display()))?;
     let result = write_sequential(&file, path, bytes, patterns, engine);
     drop(file);
     if let Err(e) = std::fs::remove_file(path) {
@@ -152,11 +152,11 @@ impl DeviceLimit {
         engine: &IoEngine,
     ) -> Result<(Self, f64)> {
         if io_bytes == 0 || !io_bytes.is_multiple_of(DIRECT_IO_ALIGN as u64) {
-            bail!("device-limit I/O size {io_bytes} is not a non-zero multiple of 4 KiB");
+            fail!("device-limit I/O size {io_bytes} is not a non-zero multiple of 4 KiB");
         }
         let bytes = bytes.div_ceil(io_bytes).max(1) * io_bytes;
         let file = open_direct(path, true, direct)
-            .with_context(|| format!("cannot create device-limit file {}", path.display()))?;
+            .with_step(|| format!("cannot create device-limit file {}", path.display()))?;
         let io = io_bytes as usize;
         let mut pattern = AlignedBuf::zeroed(io, DIRECT_IO_ALIGN)?;
         for (i, b) in pattern.iter_mut().enumerate() {
@@ -167,7 +167,7 @@ impl DeviceLimit {
         let pool = (0..n)
             .map(|_| AlignedBuf::zeroed(io, DIRECT_IO_ALIGN))
             .collect::<Result<Vec<_>, _>>()
-            .context("allocating device-limit read buffers")?;
+            .step("allocating device-limit read buffers")?;
         Ok((
             Self {
                 files: vec![file],
@@ -192,10 +192,10 @@ impl DeviceLimit {
     /// than old data while the host below a virtual disk still flushes it.
     pub fn over_files(paths: &[PathBuf], bytes: u64, io_bytes: u64, direct: bool) -> Result<Self> {
         if io_bytes == 0 || !io_bytes.is_multiple_of(DIRECT_IO_ALIGN as u64) {
-            bail!("device-limit I/O size {io_bytes} is not a non-zero multiple of 4 KiB");
+            fail!("device-limit I/O size {io_bytes} is not a non-zero multiple of 4 KiB");
         }
         let Some(first) = paths.first() else {
-            bail!("no file to measure the device on");
+            fail!("no file to measure the device on");
         };
         let share = (bytes / paths.len() as u64).div_ceil(io_bytes).max(1) * io_bytes;
         let mut files = Vec::with_capacity(paths.len());
@@ -203,10 +203,10 @@ impl DeviceLimit {
         let mut planned = 0u64;
         for (i, p) in paths.iter().enumerate() {
             let f = open_read(p, direct)
-                .with_context(|| format!("cannot open {} for the device limit", p.display()))?;
+                .with_step(|| format!("cannot open {} for the device limit", p.display()))?;
             let len = f
                 .metadata()
-                .with_context(|| format!("cannot stat {}", p.display()))?
+                .with_step(|| format!("cannot stat {}", p.display()))?
                 .len();
             let mut off = 0;
             while off < len.min(share) {
@@ -217,12 +217,12 @@ impl DeviceLimit {
             files.push(f);
         }
         if reads.is_empty() {
-            bail!("the files to measure the device on are empty");
+            fail!("the files to measure the device on are empty");
         }
         let pool = (0..reads.len())
             .map(|_| AlignedBuf::zeroed(io_bytes as usize, DIRECT_IO_ALIGN))
             .collect::<Result<Vec<_>, _>>()
-            .context("allocating device-limit read buffers")?;
+            .step("allocating device-limit read buffers")?;
         Ok(Self {
             files,
             reads,
@@ -272,10 +272,10 @@ impl DeviceLimit {
             }
         }
         if let Some(why) = short {
-            bail!("device-limit read of {} failed: {why}", self.path.display());
+            fail!("device-limit read of {} failed: {why}", self.path.display());
         }
         if got != self.bytes {
-            bail!(
+            fail!(
                 "device-limit reads of {} returned {got} bytes, expected {} (did a file shrink?)",
                 self.path.display(),
                 self.bytes

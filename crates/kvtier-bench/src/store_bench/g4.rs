@@ -29,21 +29,24 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use crate::error::{BenchError, Result, StepContext, fail};
 use indicatif::ProgressBar;
 use kvtier_store::block::HEADER_BYTES;
 use kvtier_store::remote::{Target, parse_target, redact_url};
-use kvtier_store::{BlockKey, KvLayout, RemoteTier, StoreConfig, StoreMetrics, Tier, TieredStore};
-use serde::Serialize;
+use kvtier_store::{
+    BlockKey, KvLayout, RemoteConfig, RemoteTier, StoreConfig, StoreMetrics, Tier, TieredStore,
+};
 
-use crate::bench_blocks::bench_fingerprint;
-use crate::bench_store::{chunk_blocks, progress_bar};
-use crate::cli::BenchArgs;
+use super::block_set::bench_fingerprint;
+use super::chunk_blocks;
+use super::g4_report::G4BenchReport;
+use super::redis_benchmark::{RedisBenchmark, find_redis_benchmark, rb_target, rb_version};
+use super::slot_layout::{BYTES_PER_TOKEN, bench_layout, check_block_bytes};
 use crate::device_limit::gbps;
-use crate::redis_benchmark::{RedisBenchmark, find_redis_benchmark, rb_target, rb_version};
-use crate::report::median;
+use crate::fill::stamp_pages;
+use crate::progress::progress_bar;
 use crate::size::format_size;
-use crate::slot_layout::{BYTES_PER_TOKEN, bench_layout, check_block_bytes};
+use crate::stats::median;
 
 /// The goal: G4 restore at this fraction of redis-benchmark GET throughput
 /// or more.
@@ -66,8 +69,50 @@ const MAX_BLOCKS: u64 = 1_000_000_000_000;
 /// Threads deleting the bench's blocks at the end.
 const DELETE_THREADS: usize = 8;
 
+/// What the G4 bench measures (`kvtier store bench --tier g4`).
+#[derive(Debug, Clone)]
+pub struct G4BenchOptions {
+    /// The pool; its namespace is the base of the bench's own
+    /// (`<namespace>-bench-<pid>-<hex>`), its time limit at least 30 s per
+    /// batch, its expiry [`DEFAULT_TTL`] unless set.
+    pub remote: RemoteConfig,
+    /// Bytes of blocks to put and read back (must fit in the pool's
+    /// memory).
+    pub total_bytes: u64,
+    /// KV payload bytes of one block (the value in the pool is 128 bytes
+    /// more, the block header).
+    pub block_bytes: u64,
+    /// In-flight depths; only the largest is used: G4 GETs in flight, and
+    /// as many redis-benchmark clients.
+    pub in_flight: Vec<u32>,
+    /// Times to run each side; the median is reported.
+    pub repeat: u32,
+    /// Blocks per store read call (one G4 batch) [default: the G3 rule].
+    pub chunk_blocks: Option<u32>,
+    /// Leave the blocks in the pool instead of deleting them.
+    pub keep: bool,
+    /// Show a progress bar on stderr.
+    pub progress: bool,
+}
+
+impl G4BenchOptions {
+    /// `kvtier store bench --tier g4`'s defaults against `remote`.
+    pub fn new(remote: RemoteConfig) -> Self {
+        Self {
+            remote,
+            total_bytes: super::G4_DEFAULT_TOTAL_BYTES,
+            block_bytes: 2 << 20,
+            in_flight: vec![1, 4, 16, 32],
+            repeat: 3,
+            chunk_blocks: None,
+            keep: false,
+            progress: true,
+        }
+    }
+}
+
 /// The bench layout whose payload is exactly `payload_bytes` (the shape of
-/// [`crate::slot_layout`]: one layer, 8 KV heads of 128 in bf16, 4 KiB per
+/// [`super::slot_layout`]: one layer, 8 KV heads of 128 in bf16, 4 KiB per
 /// token).
 pub fn g4_layout(payload_bytes: u64) -> Result<KvLayout, String> {
     check_block_bytes(payload_bytes)?;
@@ -120,161 +165,6 @@ fn pseudo_random(len: usize) -> Vec<u8> {
     out
 }
 
-/// Writes block `i`'s index into the first 8 bytes of every 4 KiB page of
-/// `payload`, so every block differs.
-fn stamp(payload: &mut [u8], i: u64) {
-    let tag = i.to_le_bytes();
-    for page in payload.chunks_mut(4096) {
-        let n = page.len().min(8);
-        page[..n].copy_from_slice(&tag[..n]);
-    }
-}
-
-/// What `kvtier store bench --tier g4 --json` prints.
-#[derive(Debug, Clone, Serialize)]
-pub struct G4BenchReport {
-    /// Median GB/s (10^9 bytes of values per second) of redis-benchmark GET;
-    /// null when it was skipped (see `redis_benchmark_skipped`).
-    pub redis_benchmark_get_gbps: Option<f64>,
-    /// Median GB/s of restoring every block from G4 through the store.
-    pub g4_get_gbps: f64,
-    /// Bytes of one value in the pool: the block header and the payload.
-    pub value_bytes: u64,
-    /// `g4_get_gbps / redis_benchmark_get_gbps`.
-    pub ratio: Option<f64>,
-    /// The goal for `ratio`.
-    pub goal_ratio: f64,
-    /// `ratio >= goal_ratio`.
-    pub goal_met: Option<bool>,
-    /// Always `"g4"`.
-    pub tier: &'static str,
-    /// The pool (password redacted).
-    pub remote: String,
-    /// The bench's namespace in the pool.
-    pub namespace: String,
-    /// KV payload bytes per block (`--block-bytes`).
-    pub payload_bytes: u64,
-    /// Blocks in the set.
-    pub blocks: u64,
-    /// `blocks * value_bytes`: bytes read by one G4 pass.
-    pub total_bytes: u64,
-    /// G4 GETs in flight (the largest `--in-flight`), and redis-benchmark
-    /// clients.
-    pub in_flight: u32,
-    /// Blocks per store call (one G4 batch).
-    pub chunk_blocks: u64,
-    /// Repeats of each side.
-    pub repeat: u32,
-    /// Median blocks (GETs) per second restored from G4.
-    pub g4_get_per_sec: f64,
-    /// GB/s of every G4 pass, in order.
-    pub g4_samples_gbps: Vec<f64>,
-    /// GB/s of putting the set (encode and write-through until flushed).
-    pub g4_put_gbps: f64,
-    /// Median GET requests per second of redis-benchmark.
-    pub redis_benchmark_rps: Option<f64>,
-    /// GB/s of every redis-benchmark run, in order.
-    pub redis_benchmark_samples_gbps: Vec<f64>,
-    /// GETs per redis-benchmark run.
-    pub redis_benchmark_requests: Option<u64>,
-    /// redis-benchmark connections (`-c`), each with one request out (`-P 1`).
-    pub redis_benchmark_clients: Option<u32>,
-    /// redis-benchmark pipeline depth per connection.
-    pub redis_benchmark_pipeline: Option<u32>,
-    /// Keys redis-benchmark picks from at random (`-r`): the G4 blocks.
-    pub redis_benchmark_keyspace: Option<u64>,
-    /// The redis-benchmark binary.
-    pub redis_benchmark_bin: Option<String>,
-    /// Its `--version`.
-    pub redis_benchmark_version: Option<String>,
-    /// Why redis-benchmark did not run (cluster and S3 pools).
-    pub redis_benchmark_skipped: Option<String>,
-    /// G4 operations that failed during the run.
-    pub g4_errors: u64,
-    /// G4 operations that timed out during the run.
-    pub g4_timeouts: u64,
-    /// The blocks were left in the pool (`--keep`).
-    pub kept: bool,
-    /// Bench blocks still in the pool after the clean-up (null with
-    /// `--keep`).
-    pub keys_left: Option<u64>,
-}
-
-/// The human-readable report.
-pub fn render_g4_table(r: &G4BenchReport) -> String {
-    let mut s = format!(
-        "G4 restore vs redis-benchmark GET: {} (namespace {})\n\
-         {} blocks of {} payload (value {} bytes), {} per pass; {} in flight / {} \
-         redis-benchmark clients (-P 1); median of {}\n\n",
-        r.remote,
-        r.namespace,
-        r.blocks,
-        format_size(r.payload_bytes),
-        r.value_bytes,
-        format_size(r.total_bytes),
-        r.in_flight,
-        r.redis_benchmark_clients
-            .map_or_else(|| "no".to_string(), |c| c.to_string()),
-        r.repeat
-    );
-    let samples = |v: &[f64]| {
-        v.iter()
-            .map(|x| format!("{x:.2}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    s.push_str(&format!(
-        "{:<17} {:>11} {:>8} {:>12}  samples GB/s\n",
-        "side", "value B", "GB/s", "requests/s"
-    ));
-    s.push_str(&format!(
-        "{:<17} {:>11} {:>8.2} {:>12.1}  {}\n",
-        "g4 restore",
-        r.value_bytes,
-        r.g4_get_gbps,
-        r.g4_get_per_sec,
-        samples(&r.g4_samples_gbps)
-    ));
-    match (r.redis_benchmark_get_gbps, r.redis_benchmark_rps) {
-        (Some(g), Some(rps)) => s.push_str(&format!(
-            "{:<17} {:>11} {:>8.2} {:>12.1}  {}\n",
-            "redis-benchmark",
-            r.value_bytes,
-            g,
-            rps,
-            samples(&r.redis_benchmark_samples_gbps)
-        )),
-        _ => s.push_str(&format!(
-            "{:<17} skipped: {}\n",
-            "redis-benchmark",
-            r.redis_benchmark_skipped.as_deref().unwrap_or("not run")
-        )),
-    }
-    if let Some(ratio) = r.ratio {
-        s.push_str(&format!(
-            "\ng4 / redis-benchmark = {ratio:.2} (goal >= {:.2}: {})\n",
-            r.goal_ratio,
-            if r.goal_met == Some(true) {
-                "PASS"
-            } else {
-                "short"
-            }
-        ));
-    }
-    s.push_str(&format!(
-        "put (write-through) {:.2} GB/s; G4 errors {}, timeouts {}; {}\n",
-        r.g4_put_gbps,
-        r.g4_errors,
-        r.g4_timeouts,
-        match (r.kept, r.keys_left) {
-            (true, _) => format!("blocks kept under {}:*", r.namespace),
-            (false, Some(0)) => "blocks deleted".to_string(),
-            (false, n) => format!("{} blocks could not be deleted", n.unwrap_or(0)),
-        }
-    ));
-    s
-}
-
 /// Timed results of the measuring phase.
 struct Samples {
     put_gbps: f64,
@@ -310,19 +200,19 @@ fn put_set(
     for i in 0..n {
         let queued = u64::try_from(metrics.remote.queue_bytes.get()).unwrap_or(0);
         if queued + value_bytes > queue_limit / 2 {
-            store.flush().context("waiting for the G4 write-through")?;
+            store.flush().step("waiting for the G4 write-through")?;
         }
-        stamp(&mut payload, i);
+        stamp_pages(&mut payload, i);
         store
             .put_many(&[(g4_key(i), &payload)])
-            .with_context(|| format!("putting bench block {i}"))?;
+            .with_step(|| format!("putting bench block {i}"))?;
         pb.inc(value_bytes);
     }
-    store.flush().context("waiting for the G4 write-through")?;
+    store.flush().step("waiting for the G4 write-through")?;
     let secs = t.elapsed().as_secs_f64();
     let dropped = metrics.remote.dropped_puts.get();
     if dropped > 0 {
-        bail!(
+        fail!(
             "the G4 pool did not take {dropped} of {n} blocks ({}); a full pool \
              (maxmemory below {} of values?) refuses writes: try a smaller --total-bytes",
             pool_health(metrics),
@@ -362,7 +252,7 @@ fn restore_pass(store: &TieredStore, n: u64, chunk: u64, pb: &ProgressBar) -> Re
     }
     let secs = t.elapsed().as_secs_f64();
     if let Some(first) = first_bad {
-        bail!(
+        fail!(
             "{missing} of {n} blocks were not restored from G4 (first: {first}): evicted by \
              the pool's maxmemory policy, expired, or the pool failed ({})",
             pool_health(store.metrics())
@@ -402,36 +292,33 @@ fn run_namespace(base: &str) -> String {
     )
 }
 
-/// Runs the G4 bench (see the module docs) and prints its report.
-pub fn run(args: &BenchArgs) -> Result<()> {
-    let flags = &args.remote;
-    let Some(mut rc) = flags.config() else {
-        bail!("--tier g4 needs --remote URL, the G4 pool to measure");
-    };
+/// Runs the G4 bench (see the module docs) and returns its report.
+pub fn run_g4(args: &G4BenchOptions) -> Result<G4BenchReport> {
+    let mut rc = args.remote.clone();
     let url = rc.url.clone();
     let shown = redact_url(&url);
-    let target = parse_target(&url).map_err(|e| anyhow!("{e}"))?;
+    let target = parse_target(&url).map_err(BenchError::other)?;
     let payload_bytes = args.block_bytes;
-    let layout = g4_layout(payload_bytes).map_err(anyhow::Error::msg)?;
+    let layout = g4_layout(payload_bytes).map_err(BenchError::Failed)?;
     let value_bytes = HEADER_BYTES as u64 + payload_bytes;
-    let total_bytes = args.total_bytes();
+    let total_bytes = args.total_bytes;
     let blocks = total_bytes / value_bytes;
     if blocks == 0 {
-        bail!(
+        fail!(
             "--total-bytes {} holds no block of {} payload ({value_bytes} bytes in the pool)",
             format_size(total_bytes),
             format_size(payload_bytes)
         );
     }
     if blocks >= MAX_BLOCKS {
-        bail!("--total-bytes {total_bytes} makes {blocks} blocks; at most {MAX_BLOCKS} - 1");
+        fail!("--total-bytes {total_bytes} makes {blocks} blocks; at most {MAX_BLOCKS} - 1");
     }
     let in_flight = args
         .in_flight
         .iter()
         .copied()
         .max()
-        .ok_or_else(|| anyhow!("--in-flight needs at least one depth"))?;
+        .ok_or_else(|| BenchError::Failed("--in-flight needs at least one depth".into()))?;
     let slot = layout.encoded_bytes();
     let chunk = chunk_blocks(in_flight, slot, blocks, args.chunk_blocks);
 
@@ -444,7 +331,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let rb = RedisBenchmark {
                 version: rb_version(&bin),
                 bin,
-                target: rb_target(&url).map_err(anyhow::Error::msg)?,
+                target: rb_target(&url).map_err(BenchError::Failed)?,
                 template: String::new(),
                 requests,
                 clients: in_flight,
@@ -464,7 +351,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         ),
     };
 
-    let namespace = run_namespace(&flags.remote_namespace);
+    let namespace = run_namespace(&rc.namespace);
     rc.namespace = namespace.clone();
     rc.timeout = rc.timeout.max(MIN_TIMEOUT);
     rc.in_flight = in_flight as usize;
@@ -477,20 +364,20 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     config.disk = None;
     config.persist_on_close = false;
     config.remote = Some(rc);
-    let store = TieredStore::open(config).context("opening the G4 store")?;
+    let store = TieredStore::open(config).step("opening the G4 store")?;
     let remote = store
         .remote()
-        .ok_or_else(|| anyhow!("the store opened without G4"))?;
+        .ok_or_else(|| BenchError::Failed("the store opened without G4".into()))?;
     let template = key_template(&remote.name(&g4_key(0)))
         .filter(|t| {
             let last = blocks - 1;
             t.replace(RAND_INT, &format!("{last:012}")) == remote.name(&g4_key(last))
         })
         .ok_or_else(|| {
-            anyhow!(
+            BenchError::Failed(format!(
                 "internal error: G4 key {} does not end in the block index",
                 remote.name(&g4_key(0))
-            )
+            ))
         })?;
     let rb = rb.map(|rb| RedisBenchmark { template, ..rb });
     tracing::info!(
@@ -503,13 +390,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let _ = remote.contains_many(&[g4_key(0)]);
     let m = store.metrics();
     if m.remote.errors.get() + m.remote.timeouts.get() > 0 {
-        bail!("cannot reach the G4 pool {shown} ({})", pool_health(m));
+        fail!("cannot reach the G4 pool {shown} ({})", pool_health(m));
     }
 
     let repeats = u64::from(args.repeat);
     let rb_bytes = rb.as_ref().map_or(0, |r| r.requests * value_bytes);
     let set_bytes = blocks * value_bytes;
-    let pb = progress_bar(set_bytes + repeats * (set_bytes + rb_bytes), args.json);
+    let pb = progress_bar(set_bytes + repeats * (set_bytes + rb_bytes), !args.progress);
     let measured = (|| -> Result<Samples> {
         pb.set_message("putting blocks into G4");
         let put_gbps = put_set(&store, payload_bytes as usize, blocks, queue_limit, &pb)?;
@@ -594,12 +481,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         keys_left,
     };
     drop(store);
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", render_g4_table(&report));
-    }
-    Ok(())
+    Ok(report)
 }
 
 #[cfg(test)]
@@ -637,7 +519,7 @@ mod tests {
         assert_eq!(a, pseudo_random(10_000));
         assert!(a.iter().filter(|&&b| b == 0).count() < 200);
         let mut p = a.clone();
-        stamp(&mut p, 5);
+        stamp_pages(&mut p, 5);
         assert_eq!(&p[4096..4104], &5u64.to_le_bytes());
         assert_eq!(&p[8..4096], &a[8..4096]);
     }

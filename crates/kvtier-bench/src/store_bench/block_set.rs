@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::mpsc::sync_channel;
 use std::time::Instant;
 
-use anyhow::{Context, Result, anyhow, bail};
+use crate::error::{BenchError, Result, StepContext, fail};
 use indicatif::ProgressBar;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
 use kvtier_store::block::encode_block;
@@ -13,6 +13,7 @@ use kvtier_store::disk::{PutOutcome, ReadOutcome};
 use kvtier_store::{BlockKey, DiskTier, KvLayout, ModelFingerprint, StoreMetrics};
 
 use crate::device_limit::gbps;
+use crate::fill::stamp_pages;
 use kvtier_io::recycle::RecyclingAllocator;
 
 /// Bytes of encoded blocks handed to one `put_many` call (at most 64 blocks).
@@ -38,17 +39,6 @@ pub fn write_batch_blocks(block_bytes: u64) -> u64 {
     (WRITE_BATCH_BYTES / block_bytes).clamp(1, WRITE_BATCH_BLOCKS)
 }
 
-/// Stamps block `i`'s index into the first 8 bytes of every 4 KiB page of
-/// `payload`, so every page of every block differs (nothing below can dedup
-/// or compress it away) at the cost of one store per page.
-fn stamp(payload: &mut [u8], i: u64) {
-    let tag = i.to_le_bytes();
-    for page in payload.chunks_mut(DIRECT_IO_ALIGN) {
-        let n = page.len().min(8);
-        page[..n].copy_from_slice(&tag[..n]);
-    }
-}
-
 /// Writes blocks `0..n` into `disk` and makes them durable. Blocks are
 /// encoded on a helper thread while the previous batch is being written.
 /// Returns GB/s over the whole phase (encode, write, final fdatasync).
@@ -70,7 +60,7 @@ pub fn write_set(disk: &DiskTier, layout: KvLayout, n: u64, progress: &ProgressB
                 let end = (start + batch).min(n);
                 let blocks: Result<Vec<_>> = (start..end)
                     .map(|i| {
-                        stamp(&mut payload, i);
+                        stamp_pages(&mut payload, i);
                         encode_block(
                             bench_key(i),
                             fingerprint,
@@ -80,7 +70,7 @@ pub fn write_set(disk: &DiskTier, layout: KvLayout, n: u64, progress: &ProgressB
                             &encoder_alloc,
                         )
                         .map(|b| (bench_key(i), Arc::new(b)))
-                        .with_context(|| format!("encoding bench block {i}"))
+                        .with_step(|| format!("encoding bench block {i}"))
                     })
                     .collect();
                 let failed = blocks.is_err();
@@ -97,10 +87,10 @@ pub fn write_set(disk: &DiskTier, layout: KvLayout, n: u64, progress: &ProgressB
                     match r {
                         Ok(PutOutcome::Written) => {}
                         Ok(PutOutcome::Present) => {
-                            bail!("bench block {key} was already present in a fresh directory")
+                            fail!("bench block {key} was already present in a fresh directory")
                         }
                         Err(e) => {
-                            return Err(anyhow!(e).context(format!("writing bench block {key}")));
+                            return Err(e).with_step(|| format!("writing bench block {key}"));
                         }
                     }
                 }
@@ -112,12 +102,12 @@ pub fn write_set(disk: &DiskTier, layout: KvLayout, n: u64, progress: &ProgressB
         result
     })?;
     if disk.len() as u64 != n {
-        bail!(
+        fail!(
             "the disk tier holds {} blocks after writing {n}",
             disk.len()
         );
     }
-    disk.sync().context("syncing the block set")?;
+    disk.sync().step("syncing the block set")?;
     Ok(gbps(n * block_bytes, t.elapsed().as_secs_f64()))
 }
 
@@ -157,7 +147,7 @@ impl BlockReader {
         let mut pool = Vec::with_capacity(buffers);
         for _ in 0..buffers {
             let mut b = AlignedBuf::zeroed(block_bytes, DIRECT_IO_ALIGN)
-                .context("allocating the read buffer pool")?;
+                .step("allocating the read buffer pool")?;
             // Zeroing has faulted every page in already; write one byte per
             // page anyway so the pool is resident whatever the allocator.
             for page in b.spare_mut().chunks_mut(DIRECT_IO_ALIGN) {
@@ -203,7 +193,7 @@ impl BlockReader {
                 let buf = self
                     .pool
                     .pop()
-                    .ok_or_else(|| anyhow!("read buffer pool exhausted"))?;
+                    .ok_or_else(|| BenchError::Failed("read buffer pool exhausted".into()))?;
                 reqs.push((bench_key(i), buf));
             }
             for r in disk.read_many_with(reqs, in_flight) {
@@ -223,7 +213,7 @@ impl BlockReader {
         let secs = t.elapsed().as_secs_f64();
         let io_secs = read_io_seconds(metrics) - io_before;
         if let Some(e) = first_error {
-            bail!(
+            fail!(
                 "{} of {n} blocks were not read back intact; first: {e}",
                 n - hits
             );
@@ -252,15 +242,5 @@ mod tests {
         assert_eq!(write_batch_blocks(2 << 20), 64);
         assert_eq!(write_batch_blocks(16 << 20), 8);
         assert_eq!(write_batch_blocks(1 << 30), 1);
-    }
-
-    #[test]
-    fn stamp_marks_every_page() {
-        let mut p = vec![0u8; 3 * 4096 + 5];
-        stamp(&mut p, 0x0102);
-        for at in [0, 4096, 8192] {
-            assert_eq!(&p[at..at + 2], &[2, 1]);
-        }
-        assert_eq!(&p[12288..], &[2, 1, 0, 0, 0]);
     }
 }

@@ -12,30 +12,103 @@
 //! without the settle, read 10-25 % low on the reference VM: the freed
 //! memory is handed back to the host during it.
 //!
-//! Contenders: `naive`, `mmap`, `kvtier` ([`crate::load_contenders`]) and,
+//! Contenders: `naive`, `mmap`, `kvtier` ([`rust_contenders`]) and,
 //! when Python is there, `python-safetensors` and `runai-streamer`
-//! ([`crate::python_contenders`]).
+//! ([`python_contenders`]). The report: [`loader_report`].
+
+pub mod loader_report;
+pub mod python_contenders;
+pub mod rust_contenders;
 
 use std::alloc::Layout;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
-use kvtier_io::loader::{LoadStats, model_shards};
+use crate::error::{BenchError, Result, StepContext, fail};
+use kvtier_io::loader::{LoadStats, LoaderConfig, model_shards};
 use kvtier_io::safetensors::read_header;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, IoEngine, align_up, system_allocator};
 
-use crate::bench_dirs::RunDirs;
-use crate::bench_model_report::{KvtierIo, LoaderReport, ModelBenchReport, Skipped, render_table};
-use crate::bench_store::progress_bar;
-use crate::cli_model::{BenchMode, ModelBenchArgs};
-use crate::cmd_model_load::check_model_dir;
+use kvtier_io::recycle::RecyclingAllocator;
+
 use crate::device_limit::{DeviceLimit, limit_file_bytes};
 use crate::host::{CacheDrops, first_touch_gbps, settle};
-use crate::load_contenders::{self as lc, Loaded, NaivePool};
-use crate::python_contenders::{PyLoader, Python};
-use crate::report::{fraction, median, paired_fraction};
-use kvtier_io::recycle::RecyclingAllocator;
+use crate::model_load::check_model_dir;
+use crate::progress::progress_bar;
+use crate::run_dirs::RunDirs;
+use crate::stats::{fraction, median, paired_fraction};
+use loader_report::{KvtierIo, LoaderReport, ModelBenchReport, Skipped};
+use python_contenders::{PyLoader, Python};
+use rust_contenders::{self as lc, Loaded, NaivePool};
+
+/// Which destination-memory states the model bench measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadModes {
+    /// Page cache dropped, freed RAM settled, fresh destination memory.
+    #[default]
+    Cold,
+    /// Page cache dropped, destination memory touched before timing.
+    Warm,
+    /// Both, cold first.
+    Both,
+}
+
+/// What the model bench measures (`kvtier model bench`).
+#[derive(Debug, Clone)]
+pub struct ModelBenchOptions {
+    /// Model directory (as for [`crate::model_load`]).
+    pub dir: PathBuf,
+    /// Times to run every contender; the median is reported.
+    pub repeat: u32,
+    /// Cold, warm, or both.
+    pub modes: LoadModes,
+    /// Seconds to wait after dropping the page cache (and freeing the last
+    /// contender's memory) before each load.
+    pub settle_secs: f64,
+    /// Run only these contenders (by name) [default, empty: all].
+    pub only: Vec<String>,
+    /// Run the Python contenders when Python is there.
+    pub python_contenders: bool,
+    /// pip-install missing Python packages (else their contenders are
+    /// skipped).
+    pub install_python_packages: bool,
+    /// The Python interpreter.
+    pub python: PathBuf,
+    /// Directory for the Python helper script and its logs (a
+    /// `kvtier-bench-<pid>` subdirectory, removed at the end) [default: the
+    /// model directory].
+    pub scratch: Option<PathBuf>,
+    /// How the kvtier contender reads.
+    pub loader: LoaderConfig,
+    /// Bytes per read of the device-limit measurement.
+    pub limit_io_bytes: u64,
+    /// Bytes of each device-limit sample [default: the model's size, at
+    /// most 1 GiB].
+    pub limit_bytes: Option<u64>,
+    /// Show a progress bar and status lines on stderr.
+    pub progress: bool,
+}
+
+impl ModelBenchOptions {
+    /// `kvtier model bench`'s defaults for the model in `dir`.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            repeat: 3,
+            modes: LoadModes::Cold,
+            settle_secs: 6.0,
+            only: Vec::new(),
+            python_contenders: true,
+            install_python_packages: true,
+            python: PathBuf::from("python3"),
+            scratch: None,
+            loader: LoaderConfig::default(),
+            limit_io_bytes: 16 << 20,
+            limit_bytes: None,
+            progress: true,
+        }
+    }
+}
 
 /// Largest first-touch sample.
 const MAX_FIRST_TOUCH_BYTES: u64 = 1 << 30;
@@ -74,7 +147,7 @@ impl WarmPools {
             let cap = align_up(usize::try_from(len)?, DIRECT_IO_ALIGN);
             let layout = Layout::from_size_align(cap, DIRECT_IO_ALIGN)?;
             if !pool.reserve(layout, 1) {
-                bail!("out of memory reserving the warm kvtier buffers");
+                fail!("out of memory reserving the warm kvtier buffers");
             }
         }
         Ok(Self {
@@ -109,17 +182,17 @@ fn mode_name(warm: bool) -> &'static str {
     if warm { "warm" } else { "cold" }
 }
 
-/// Runs the bench and prints its report (a table, or one JSON object).
-pub fn run(args: &ModelBenchArgs) -> Result<()> {
+/// Runs the bench and returns its report.
+pub fn run_model_bench(args: &ModelBenchOptions) -> Result<ModelBenchReport> {
     let dir = &args.dir;
     check_model_dir(dir)?;
     let paths =
-        model_shards(dir).with_context(|| format!("cannot load the model in {}", dir.display()))?;
+        model_shards(dir).with_step(|| format!("cannot load the model in {}", dir.display()))?;
     // Every header validated before anything is timed: a corrupt shard is
     // a clear error, not a failure half-way through the bench.
     let mut lens = Vec::with_capacity(paths.len());
     for p in &paths {
-        let h = read_header(p).with_context(|| format!("invalid model in {}", dir.display()))?;
+        let h = read_header(p).with_step(|| format!("invalid model in {}", dir.display()))?;
         lens.push(h.file_len());
     }
     let bytes: u64 = lens.iter().sum();
@@ -128,7 +201,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     let run_dirs = RunDirs::create(std::slice::from_ref(&scratch), 0, 0, false)?;
     let work = run_dirs.first().to_path_buf();
     let engine = IoEngine::shared();
-    let quiet = args.json;
+    let quiet = !args.progress;
     let say = |msg: &str| {
         if !quiet {
             eprintln!("{msg}");
@@ -138,7 +211,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     // Python contenders: ready (installed) or skipped with the reason.
     let mut skipped = Vec::new();
     let mut contenders = vec![Contender::Naive, Contender::Mmap, Contender::Kvtier];
-    let python = if args.no_python {
+    let python = if !args.python_contenders {
         for p in PyLoader::ALL {
             skipped.push(Skipped {
                 name: p.name().into(),
@@ -160,7 +233,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
             Ok(py) => {
                 for p in PyLoader::ALL {
                     say(&format!("checking Python packages for {}...", p.name()));
-                    match py.ensure(p, !args.no_install) {
+                    match py.ensure(p, args.install_python_packages) {
                         Ok(()) => contenders.push(Contender::Py(p)),
                         Err(reason) => skipped.push(Skipped {
                             name: p.name().into(),
@@ -177,23 +250,23 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         contenders.retain(|c| args.only.iter().any(|n| n == c.name()));
         skipped.retain(|s| args.only.contains(&s.name));
         if contenders.is_empty() {
-            bail!("none of --only {} can run", args.only.join(","));
+            fail!("none of --only {} can run", args.only.join(","));
         }
     }
     let direct = direct_read_works(&paths[0]);
     let mut limit = DeviceLimit::over_files(&paths, limit_bytes, args.limit_io_bytes, direct)?;
     let limit_bytes = limit.bytes();
 
-    let modes: Vec<bool> = match args.mode {
-        BenchMode::Cold => vec![false],
-        BenchMode::Warm => vec![true],
-        BenchMode::Both => vec![false, true],
+    let modes: Vec<bool> = match args.modes {
+        LoadModes::Cold => vec![false],
+        LoadModes::Warm => vec![true],
+        LoadModes::Both => vec![false, true],
     };
     let repeats = args.repeat as usize;
     let total_work =
         (modes.len() * repeats * contenders.len()) as u64 * (bytes + limit_bytes) + limit_bytes;
     let pb = progress_bar(total_work, quiet);
-    let cfg = args.loader.config();
+    let cfg = args.loader.clone();
     let ft_bytes = bytes.min(MAX_FIRST_TOUCH_BYTES) as usize;
 
     let mut drops = CacheDrops::default();
@@ -286,7 +359,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
                             tensors = l.tensors;
                             match checksum {
                                 None => checksum = Some(l.checksum),
-                                Some(c) if c != l.checksum => bail!(
+                                Some(c) if c != l.checksum => fail!(
                                     "{} read different bytes than the other contenders (checksum {:#x} vs {c:#x}): did the model change during the bench?",
                                     who.name(),
                                     l.checksum
@@ -300,12 +373,12 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
                     Err(why) if matches!(who, Contender::Py(_)) => {
                         results[m][c].failed = Some(why);
                     }
-                    Err(why) => bail!("{} load failed: {why}", who.name()),
+                    Err(why) => fail!("{} load failed: {why}", who.name()),
                 }
             }
             pb.set_message("first touch");
             settle(args.settle_secs);
-            first_touch.push(first_touch_gbps(ft_bytes).map_err(anyhow::Error::msg)?);
+            first_touch.push(first_touch_gbps(ft_bytes).map_err(BenchError::Failed)?);
         }
         drop(pools);
     }
@@ -335,12 +408,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         },
     );
     drop(run_dirs);
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", render_table(&report));
-    }
-    Ok(())
+    Ok(report)
 }
 
 struct Facts<'a> {
@@ -354,7 +422,7 @@ struct Facts<'a> {
 
 #[allow(clippy::too_many_arguments)]
 fn build_report(
-    args: &ModelBenchArgs,
+    args: &ModelBenchOptions,
     modes: &[bool],
     contenders: &[Contender],
     results: &[Vec<Samples>],
@@ -429,7 +497,7 @@ fn build_report(
     let mut per_mode = per_mode.into_iter();
     let loaders = per_mode.next().unwrap_or_default();
     let warm_loaders = per_mode.next().unwrap_or_default();
-    let cfg = args.loader.config();
+    let cfg = args.loader.clone();
     let kvtier_io = KvtierIo {
         direct: kv_stats.as_ref().is_some_and(|s| s.direct),
         buffered_reason: kv_stats.as_ref().and_then(|s| s.buffered_reason.clone()),

@@ -1,10 +1,12 @@
-//! The store bench's results: the JSON contract and the text table.
+//! The G3 store bench's results: the JSON contract and the text table.
 
 use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use crate::TextReport;
 use crate::size::format_size;
+use crate::stats::format_samples;
 
 /// One in-flight case of the store bench.
 #[derive(Debug, Clone, Serialize)]
@@ -35,7 +37,7 @@ pub struct CaseReport {
 /// `device_limit_gbps`, `cases[].in_flight`, `cases[].block_bytes`,
 /// `cases[].gbps`, `io_mode`).
 #[derive(Debug, Clone, Serialize)]
-pub struct BenchReport {
+pub struct StoreBenchReport {
     /// Median of all device-limit samples, GB/s.
     pub device_limit_gbps: f64,
     /// One entry per in-flight depth, in the order asked.
@@ -76,26 +78,14 @@ pub struct BenchReport {
     pub first_touch_gbps: f64,
 }
 
-/// `a / b`, or 0 when `b` is not positive (no baseline measured).
-pub fn fraction(a: f64, b: f64) -> f64 {
-    if b > 0.0 { a / b } else { 0.0 }
+impl TextReport for StoreBenchReport {
+    /// A header, then one row per case.
+    fn table(&self) -> String {
+        render_table(self)
+    }
 }
 
-/// The median of `v` (mean of the middle two for an even count; 0 if empty
-/// or NaN).
-pub fn median(v: &[f64]) -> f64 {
-    kvtier_bench::stats::percentile(v, 50.0).unwrap_or(0.0)
-}
-
-fn samples(v: &[f64]) -> String {
-    v.iter()
-        .map(|x| format!("{x:.2}"))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-/// The human-readable report: a header, then one row per case.
-pub fn render_table(r: &BenchReport) -> String {
+fn render_table(r: &StoreBenchReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -135,7 +125,7 @@ pub fn render_table(r: &BenchReport) -> String {
         "device limit:       {:.2} GB/s (raw O_DIRECT sequential read, 4 MiB x 32 in flight; median of {}: {})",
         r.device_limit_gbps,
         r.device_limit_samples_gbps.len(),
-        samples(&r.device_limit_samples_gbps)
+        format_samples(&r.device_limit_samples_gbps)
     );
     let _ = writeln!(out);
     let _ = writeln!(
@@ -154,7 +144,7 @@ pub fn render_table(r: &BenchReport) -> String {
             c.paired_fraction,
             c.chunk_blocks,
             c.io_time_fraction * 100.0,
-            samples(&c.samples_gbps)
+            format_samples(&c.samples_gbps)
         );
     }
     let _ = writeln!(out);
@@ -175,44 +165,4 @@ pub fn render_table(r: &BenchReport) -> String {
         "engine (the rest, with nothing in flight, is checksum verification and bookkeeping)."
     );
     out
-}
-
-/// For case samples taken between limit samples (`limits[k]` before sample
-/// `k`, `limits[k + 1]` after it, `positions[i]` = the `k` of `samples[i]`),
-/// the median of each sample over the mean of its two neighbours.
-pub fn paired_fraction(samples: &[f64], positions: &[usize], limits: &[f64]) -> f64 {
-    let ratios: Vec<f64> = samples
-        .iter()
-        .zip(positions)
-        .filter_map(|(&s, &k)| {
-            let around = match (limits.get(k), limits.get(k + 1)) {
-                (Some(a), Some(b)) => (a + b) / 2.0,
-                (Some(a), None) | (None, Some(a)) => *a,
-                (None, None) => return None,
-            };
-            (around > 0.0).then_some(s / around)
-        })
-        .collect();
-    median(&ratios)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn paired_fractions() {
-        // limit samples 1, 2, 3; case samples after limit 0 and limit 1.
-        let f = paired_fraction(&[0.75, 1.25], &[0, 1], &[1.0, 2.0, 3.0]);
-        assert_eq!(f, (0.5 + 0.5) / 2.0);
-        assert_eq!(paired_fraction(&[1.0], &[5], &[]), 0.0);
-    }
-
-    #[test]
-    fn medians() {
-        assert_eq!(median(&[]), 0.0);
-        assert_eq!(median(&[3.0]), 3.0);
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
-    }
 }

@@ -1,7 +1,7 @@
 //! The Python contenders of `kvtier model bench`: `python-safetensors`
 //! (`safetensors.numpy.load_file`) and `runai-streamer` (Run:ai Model
 //! Streamer's `SafetensorsStreamer`), run by `scripts/bench-model-python.py`
-//! (embedded in the binary, written next to the bench files at run time).
+//! (embedded in this crate, written next to the bench files at run time).
 //!
 //! Missing packages are installed with `python3 -m pip install` unless told
 //! not to; a contender that cannot run is skipped with the reason, never an
@@ -19,10 +19,10 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use serde::Deserialize;
 
-use crate::load_contenders::Loaded;
+use super::rust_contenders::Loaded;
 
 /// The helper script's text.
-pub const SCRIPT: &str = include_str!("../../../scripts/bench-model-python.py");
+pub const SCRIPT: &str = include_str!("../../../../scripts/bench-model-python.py");
 
 /// A Python contender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,28 +1,60 @@
-//! `kvtier model load DIR`: loads a model with the kvtier loader and
-//! reports GB/s, shards, direct or buffered I/O (and why) and the backend.
+//! One model load with the kvtier loader, as `kvtier model load DIR` runs
+//! it: GB/s, shards, direct or buffered I/O (and why) and the backend.
 //!
 //! The loader reads all shards in one engine batch and has no progress
 //! callback, so the progress bar follows the bytes this process has read
 //! from storage (`read_bytes` in `/proc/self/io`, which counts O_DIRECT and
 //! io_uring reads too); a load served from the page cache jumps to the end.
 //!
-//! `--device cuda:N` (a `cuda` build) loads into GPU memory instead, through
+//! `device: "cuda:N"` (a `cuda` build) loads into GPU memory instead, through
 //! the loader's ring of pinned staging buffers (`kvtier_io::loader::staged`).
 
-use std::path::Path;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use crate::error::{BenchError, Result, StepContext, fail};
 use indicatif::ProgressBar;
 use kvtier_io::loader::{LoadStats, LoaderConfig, load_model_dir};
 use kvtier_io::safetensors::read_header;
 use serde::Serialize;
 
-use crate::bench_store::progress_bar;
-use crate::cli_model::ModelLoadArgs;
+use crate::TextReport;
+use crate::progress::progress_bar;
 use crate::size::format_size;
+
+/// What to load and how (`kvtier model load`).
+#[derive(Debug, Clone)]
+pub struct ModelLoadOptions {
+    /// Model directory: `model.safetensors.index.json`, else
+    /// `model.safetensors`, else every `*.safetensors` in it.
+    pub dir: PathBuf,
+    /// Where the weights go: `cpu` (host memory, reads land in place) or
+    /// `cuda`/`cuda:N` (GPU memory through pinned staging buffers; needs the
+    /// `cuda` feature).
+    pub device: String,
+    /// Pinned staging buffers of a GPU load (each `loader.chunk_bytes`).
+    pub staging_buffers: usize,
+    /// How to read.
+    pub loader: LoaderConfig,
+    /// Show a progress bar on stderr.
+    pub progress: bool,
+}
+
+impl ModelLoadOptions {
+    /// `kvtier model load`'s defaults for the model in `dir`.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            device: "cpu".into(),
+            staging_buffers: kvtier_io::loader::staged::DEFAULT_RING,
+            loader: LoaderConfig::default(),
+            progress: true,
+        }
+    }
+}
 
 /// What `kvtier model load --json` prints.
 #[derive(Debug, Serialize)]
@@ -68,7 +100,7 @@ struct Loaded {
 
 /// Loads into host memory: reads land in place.
 fn load_host(dir: &Path, cfg: &LoaderConfig) -> Result<Loaded> {
-    let (shards, stats) = load_model_dir(dir, cfg)?;
+    let (shards, stats) = load_model_dir(dir, cfg).map_err(BenchError::other)?;
     Ok(Loaded {
         stats,
         tensors: shards.iter().map(|s| s.len()).sum(),
@@ -84,9 +116,10 @@ fn load_gpu(dir: &Path, cfg: &LoaderConfig, device: &str, ring: usize) -> Result
     use kvtier_io::loader::staged::{CudaSink, load_model_dir_staged};
     let dev = kvtier_engine::open_device(device)?;
     let Some(stream) = kvtier_engine::cuda_stream(&dev) else {
-        bail!("--device {device} is not a GPU");
+        fail!("--device {device} is not a GPU");
     };
-    let load = load_model_dir_staged(dir, cfg, ring, CudaSink::on_stream(stream))?;
+    let load = load_model_dir_staged(dir, cfg, ring, CudaSink::on_stream(stream))
+        .map_err(BenchError::other)?;
     Ok(Loaded {
         tensors: load.shards.iter().map(|s| s.header().tensors.len()).sum(),
         staging_buffers: Some(load.stats.staging_buffers),
@@ -100,7 +133,7 @@ fn load_gpu(dir: &Path, cfg: &LoaderConfig, device: &str, ring: usize) -> Result
 #[cfg(not(feature = "cuda"))]
 fn load_gpu(_dir: &Path, _cfg: &LoaderConfig, device: &str, _ring: usize) -> Result<Loaded> {
     kvtier_engine::open_device(device)?;
-    bail!("--device {device} is not a GPU")
+    fail!("--device {device} is not a GPU")
 }
 
 /// Bytes this process has read from storage so far (`None` when
@@ -142,20 +175,21 @@ fn expected_bytes(dir: &Path) -> u64 {
 pub fn check_model_dir(dir: &Path) -> Result<()> {
     match std::fs::metadata(dir) {
         Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => bail!(
+        Ok(_) => fail!(
             "{} is not a directory (expected a model directory)",
             dir.display()
         ),
-        Err(e) => bail!("cannot open model directory {}: {e}", dir.display()),
+        Err(e) => fail!("cannot open model directory {}: {e}", dir.display()),
     }
 }
 
-/// Runs `kvtier model load`.
-pub fn run(args: &ModelLoadArgs) -> Result<()> {
+/// Loads the model, following the reads with a progress bar, and returns
+/// the report.
+pub fn run_model_load(args: &ModelLoadOptions) -> Result<LoadReport> {
     check_model_dir(&args.dir)?;
-    let cfg = args.loader.config();
+    let cfg = args.loader.clone();
     let total = expected_bytes(&args.dir);
-    let pb = progress_bar(total, args.json);
+    let pb = progress_bar(total, !args.progress);
     pb.set_message("loading");
     let stop = Arc::new(AtomicBool::new(false));
     let follower = {
@@ -165,20 +199,14 @@ pub fn run(args: &ModelLoadArgs) -> Result<()> {
     let loaded = if args.device == "cpu" {
         load_host(&args.dir, &cfg)
     } else {
-        load_gpu(
-            &args.dir,
-            &cfg,
-            &args.device,
-            usize::from(args.staging_buffers),
-        )
+        load_gpu(&args.dir, &cfg, &args.device, args.staging_buffers)
     };
     stop.store(true, Ordering::Relaxed);
     let _ = follower.join();
     pb.finish_and_clear();
-    let loaded =
-        loaded.with_context(|| format!("cannot load the model in {}", args.dir.display()))?;
+    let loaded = loaded.with_step(|| format!("cannot load the model in {}", args.dir.display()))?;
     let stats = &loaded.stats;
-    let report = LoadReport {
+    Ok(LoadReport {
         dir: args.dir.display().to_string(),
         bytes: stats.bytes,
         shards: stats.shards,
@@ -193,42 +221,46 @@ pub fn run(args: &ModelLoadArgs) -> Result<()> {
         device: args.device.clone(),
         staging_buffers: loaded.staging_buffers,
         max_queued_copies: loaded.max_queued_copies,
-    };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        println!(
+    })
+}
+
+impl TextReport for LoadReport {
+    fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
             "loaded {} into {}: {} in {} shard(s), {} tensors, {:.2} s, {:.2} GB/s",
-            report.dir,
-            report.device,
-            format_size(report.bytes),
-            report.shards,
-            report.tensors,
-            report.seconds,
-            report.gbps
+            self.dir,
+            self.device,
+            format_size(self.bytes),
+            self.shards,
+            self.tensors,
+            self.seconds,
+            self.gbps
         );
-        println!(
+        let _ = writeln!(
+            out,
             "reads: {}, {}, {} x {} in flight",
-            if report.direct {
+            if self.direct {
                 "O_DIRECT".to_string()
             } else {
                 format!(
                     "buffered ({})",
-                    report
-                        .buffered_reason
-                        .as_deref()
-                        .unwrap_or("reason unknown")
+                    self.buffered_reason.as_deref().unwrap_or("reason unknown")
                 )
             },
-            report.io_backend,
-            format_size(report.chunk_bytes),
-            report.in_flight
+            self.io_backend,
+            format_size(self.chunk_bytes),
+            self.in_flight
         );
-        if let (Some(n), Some(q)) = (report.staging_buffers, report.max_queued_copies) {
-            println!("staging: {n} pinned buffers, up to {q} copies queued while reads ran");
+        if let (Some(n), Some(q)) = (self.staging_buffers, self.max_queued_copies) {
+            let _ = writeln!(
+                out,
+                "staging: {n} pinned buffers, up to {q} copies queued while reads ran"
+            );
         }
+        out
     }
-    Ok(())
 }
 
 #[cfg(test)]

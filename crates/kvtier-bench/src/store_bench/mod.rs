@@ -1,28 +1,83 @@
-//! `kvtier store bench`: write a KV block set into the disk tier, read it
+//! The store bench: write a KV block set into the disk tier (G3), read it
 //! back cold at several in-flight depths, and compare with the device's own
-//! limit measured between the cases (A B A B), in the same run. `--tier g4`
-//! is in [`crate::bench_g4`].
+//! limit measured between the cases (A B A B), in the same run
+//! ([`run_g3`]). [`g4`] measures G4 restore against `redis-benchmark`.
+//!
+//! * [`block_set`]: the blocks, writing them, reading them back.
+//! * [`slot_layout`]: the KV layout whose slot is exactly a block size.
+//! * [`store_report`]: the G3 report; [`g4_report`]: the G4 one.
+//! * [`redis_benchmark`]: running `redis-benchmark` beside G4.
 
-use std::time::Duration;
+pub mod block_set;
+pub mod g4;
+pub mod g4_report;
+pub mod redis_benchmark;
+pub mod slot_layout;
+pub mod store_report;
 
-use anyhow::{Context, Result, bail};
-use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+
+use indicatif::ProgressBar;
 use kvtier_io::{IoEngine, system_allocator};
 use kvtier_store::{DiskConfig, DiskTier, StoreMetrics};
 
-use crate::bench_blocks::{BlockReader, write_set};
-use crate::bench_dirs::RunDirs;
-use crate::cli::{BenchArgs, BenchTier};
 use crate::device_limit::{DeviceLimit, limit_file_bytes};
+use crate::error::{BenchError, Result, StepContext, fail};
 use crate::host::CacheDrops;
-use crate::report::{BenchReport, CaseReport, fraction, median, paired_fraction, render_table};
+use crate::progress::progress_bar;
+use crate::run_dirs::RunDirs;
 use crate::size::format_size;
-use crate::slot_layout::layout_for_block_bytes;
+use crate::stats::{fraction, median, paired_fraction};
+use block_set::{BlockReader, write_set};
+use slot_layout::layout_for_block_bytes;
+use store_report::{CaseReport, StoreBenchReport};
 
 /// Most bytes of read buffers a case may use (the pool is shared by all).
 pub const READ_POOL_BYTES: u64 = 512 << 20;
 /// Segment file size of the bench's disk tier.
 const SEGMENT_BYTES: u64 = 1 << 30;
+/// Default total bytes of the G3 bench.
+pub const G3_DEFAULT_TOTAL_BYTES: u64 = 4 << 30;
+/// Default total bytes of the G4 bench (it must fit in the pool's memory).
+pub const G4_DEFAULT_TOTAL_BYTES: u64 = 1 << 30;
+
+/// What the G3 bench measures (`kvtier store bench`).
+#[derive(Debug, Clone)]
+pub struct G3BenchOptions {
+    /// Directories to stripe the block set over (ideally one per device);
+    /// a `kvtier-bench-<pid>` directory is made in each.
+    pub dirs: Vec<PathBuf>,
+    /// Bytes of blocks to write and read back.
+    pub total_bytes: u64,
+    /// Size of one block, i.e. one disk slot: a multiple of 4 KiB from 8 KiB
+    /// to 1 GiB ([`slot_layout::check_block_bytes`]).
+    pub block_bytes: u64,
+    /// Reads in flight for each case (1 to 256 each).
+    pub in_flight: Vec<u32>,
+    /// Times to run every case; the median is reported.
+    pub repeat: u32,
+    /// Blocks per store read call [default: [`chunk_blocks`]'s rule].
+    pub chunk_blocks: Option<u32>,
+    /// Keep the bench files instead of deleting them at the end.
+    pub keep: bool,
+    /// Show a progress bar on stderr.
+    pub progress: bool,
+}
+
+impl Default for G3BenchOptions {
+    fn default() -> Self {
+        Self {
+            dirs: vec![PathBuf::from("./kvtier-cache/bench")],
+            total_bytes: G3_DEFAULT_TOTAL_BYTES,
+            block_bytes: 2 << 20,
+            in_flight: vec![1, 4, 16, 32],
+            repeat: 3,
+            chunk_blocks: None,
+            keep: false,
+            progress: true,
+        }
+    }
+}
 
 /// Blocks per store read call for `in_flight` reads of `block_bytes`:
 /// max(4 x in-flight, 64), capped at [`READ_POOL_BYTES`] of buffers but never
@@ -40,42 +95,16 @@ pub fn chunk_blocks(in_flight: u32, block_bytes: u64, blocks: u64, requested: Op
     chunk.min(blocks).max(1)
 }
 
-/// A byte-counting progress bar on stderr (hidden when `hidden`, e.g. for
-/// `--json`), in the style every bench uses.
-pub fn progress_bar(total: u64, hidden: bool) -> ProgressBar {
-    if hidden {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(total);
-    if let Ok(style) = ProgressStyle::with_template(
-        "{msg:<26} [{bar:30}] {binary_bytes:>10}/{binary_total_bytes:<10} {elapsed_precise}",
-    ) {
-        pb.set_style(style.progress_chars("=> "));
-    }
-    pb.enable_steady_tick(Duration::from_millis(200));
-    pb
-}
-
-/// Runs the bench of `--tier` and prints its report (a table, or one JSON
-/// object).
-pub fn run(args: &BenchArgs) -> Result<()> {
-    args.check_tier().map_err(anyhow::Error::msg)?;
-    match args.tier {
-        BenchTier::G3 => run_g3(args),
-        BenchTier::G4 => crate::bench_g4::run(args),
-    }
-}
-
-/// The G3 bench (see the module docs).
-fn run_g3(args: &BenchArgs) -> Result<()> {
+/// Runs the G3 bench (see the module docs) and returns its report.
+pub fn run_g3(args: &G3BenchOptions) -> Result<StoreBenchReport> {
     let block_bytes = args.block_bytes;
-    let total_bytes = args.total_bytes();
-    let layout = layout_for_block_bytes(block_bytes).map_err(anyhow::Error::msg)?;
-    let roots = args.stripe_dirs();
+    let total_bytes = args.total_bytes;
+    let layout = layout_for_block_bytes(block_bytes).map_err(BenchError::Failed)?;
+    let roots = args.dirs.clone();
     let ndirs = roots.len() as u64;
     let per_dir = total_bytes / block_bytes / ndirs;
     if per_dir == 0 {
-        bail!(
+        fail!(
             "--total-bytes {} holds no {} block in each of {ndirs} director{}",
             format_size(total_bytes),
             format_size(block_bytes),
@@ -87,7 +116,7 @@ fn run_g3(args: &BenchArgs) -> Result<()> {
     let limit_bytes = limit_file_bytes(total);
     let in_flights: Vec<u32> = args.in_flight.clone();
     if in_flights.is_empty() {
-        bail!("--in-flight needs at least one depth");
+        fail!("--in-flight needs at least one depth");
     }
 
     let run_dirs = RunDirs::create(&roots, per_dir * block_bytes, limit_bytes, args.keep)?;
@@ -102,9 +131,9 @@ fn run_g3(args: &BenchArgs) -> Result<()> {
         system_allocator(),
         metrics.g3.clone(),
     )
-    .context("opening the bench disk tier")?;
+    .step("opening the bench disk tier")?;
     if disk.capacity_slots() as u64 != blocks {
-        bail!(
+        fail!(
             "the disk tier has {} slots, expected {blocks}",
             disk.capacity_slots()
         );
@@ -124,7 +153,7 @@ fn run_g3(args: &BenchArgs) -> Result<()> {
     let cases = in_flights.len() as u64;
     let repeats = u64::from(args.repeat);
     let work = total + limit_bytes + repeats * cases * (total + limit_bytes) + limit_bytes;
-    let pb = progress_bar(work, args.json);
+    let pb = progress_bar(work, !args.progress);
 
     pb.set_message("writing block set");
     let write_gbps = write_set(&disk, layout, blocks, &pb)?;
@@ -194,7 +223,7 @@ fn run_g3(args: &BenchArgs) -> Result<()> {
             }
         })
         .collect();
-    let report = BenchReport {
+    let report = StoreBenchReport {
         device_limit_gbps,
         cases,
         io_mode: disk.describe_io(),
@@ -220,12 +249,7 @@ fn run_g3(args: &BenchArgs) -> Result<()> {
     };
     drop(disk);
     drop(run_dirs);
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", render_table(&report));
-    }
-    Ok(())
+    Ok(report)
 }
 
 #[cfg(test)]
