@@ -43,6 +43,7 @@ pub mod progress;
 pub mod report;
 pub mod report_table;
 pub mod run_dirs;
+pub mod run_summary;
 pub mod runner;
 pub mod size;
 pub mod stats;

@@ -26,12 +26,15 @@ use kvtier_io::IoEngine;
 use crate::device_limit::DeviceLimit;
 use crate::endpoint::Endpoint;
 use crate::error::{BenchError, Result, StepContext, fail};
+use crate::gates::Gates;
 use crate::host;
 use crate::inproc::InProcess;
 use crate::plot::write_plots;
+use crate::report::BenchReport;
 use crate::report::MachineInfo;
+use crate::runner::{Hooks, RunOptions, run_cold_recovery};
 use crate::target::Target;
-use crate::{BenchReport, ColdRecoveryConfig, Gates, Hooks, RunOptions, run_cold_recovery};
+use crate::workload::ColdRecoveryConfig;
 
 /// What the main job runs (`kvtier bench`; `Default` is its defaults).
 #[derive(Debug, Clone)]

@@ -27,8 +27,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use crate::app_state::{AppState, Limits};
-use crate::error::ServeError;
 use crate::routes;
+use crate::serve_error::ServeError;
 use crate::serve_options::{ServeOptions, default_pool_pages};
 use crate::server_metrics::ServerMetrics;
 

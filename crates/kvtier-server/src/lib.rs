@@ -37,19 +37,19 @@
 
 pub mod api_error;
 pub mod app_state;
-pub mod error;
 pub mod generate;
 pub mod launch;
 pub mod openai;
 pub mod prefill;
 pub mod routes;
+pub mod serve_error;
 pub mod serve_options;
 pub mod server_metrics;
 pub mod sse_stream;
 pub mod text_stream;
 pub mod validate;
 
-pub use error::ServeError;
 pub use launch::{RunningServer, ServerSummary, ShutdownTrigger, run, start};
 pub use prefill::{PrefillOptions, PrefillReport, prefill};
+pub use serve_error::ServeError;
 pub use serve_options::{DEFAULT_POOL_BYTES, ServeOptions, default_pool_pages};

@@ -16,7 +16,7 @@ use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions, open_devic
 use kvtier_store::RemoteConfig;
 use serde::Serialize;
 
-use crate::error::ServeError;
+use crate::serve_error::ServeError;
 
 /// What to prefill, and where to leave it.
 #[derive(Debug, Clone)]

@@ -2,9 +2,9 @@
 
 use serde::Serialize;
 
-use crate::TextReport;
 use crate::size::format_size;
 use crate::stats::format_samples;
+use crate::text_report::TextReport;
 
 /// What `kvtier store bench --tier g4 --json` prints.
 #[derive(Debug, Clone, Serialize)]
