@@ -125,61 +125,61 @@ struct Samples {
 const UNALIGNED_SHIFT: usize = 64;
 
 /// Runs the bench and returns its report.
-pub fn run_checkpoint_bench(args: &CheckpointBenchOptions) -> Result<CheckpointBenchReport> {
-    let plan = plan_model(args.bytes, 1)?;
+pub fn run_checkpoint_bench(opts: &CheckpointBenchOptions) -> Result<CheckpointBenchReport> {
+    let plan = plan_model(opts.bytes, 1)?;
     let tensors: Vec<TensorInfo> = plan.into_iter().flat_map(|s| s.tensors).collect();
     let bytes: u64 = tensors.last().map_or(0, |t| t.data_offsets.1);
-    if args.shard_bytes == 0 {
+    if opts.shard_bytes == 0 {
         fail!("--shard-bytes must be more than 0");
     }
-    let limit_io = args.limit_io_bytes;
+    let limit_io = opts.limit_io_bytes;
     let limit_bytes = bytes.min(MAX_WRITE_LIMIT_BYTES).div_ceil(limit_io).max(1) * limit_io;
     let run_dirs = RunDirs::create(
-        std::slice::from_ref(&args.dir),
+        std::slice::from_ref(&opts.dir),
         bytes,
         limit_bytes,
-        args.keep,
+        opts.keep,
     )?;
     let work = run_dirs.first().to_path_buf();
     let engine = IoEngine::shared();
     let direct = probe_direct(&work);
-    let quiet = !args.progress;
+    let quiet = !opts.progress;
 
     let mut reuse_pool: Option<Arc<RecyclingAllocator>> = None;
-    let mut opts = SaveOptions {
-        shard_bytes: args.shard_bytes,
+    let mut save_opts = SaveOptions {
+        shard_bytes: opts.shard_bytes,
         ..SaveOptions::default()
     };
-    if let Some(c) = args.chunk_bytes {
-        opts.chunk_bytes = c;
+    if let Some(c) = opts.chunk_bytes {
+        save_opts.chunk_bytes = c;
     }
-    if let Some(q) = args.in_flight {
-        opts.in_flight = q;
+    if let Some(q) = opts.in_flight {
+        save_opts.in_flight = q;
     }
-    if let Some(t) = args.threads {
-        opts.threads = t;
+    if let Some(t) = opts.threads {
+        save_opts.threads = t;
     }
 
-    if args.reuse_buffers {
+    if opts.reuse_buffers {
         // The writer holds up to `in_flight + threads` chunk buffers; keep
         // that many touched and zeroed between saves.
-        let kept = opts.in_flight + opts.threads;
+        let kept = save_opts.in_flight + save_opts.threads;
         let mut pool = RecyclingAllocator::new(kept);
-        let layout = Layout::from_size_align(opts.chunk_bytes, DIRECT_IO_ALIGN)?;
+        let layout = Layout::from_size_align(save_opts.chunk_bytes, DIRECT_IO_ALIGN)?;
         if !pool.reserve(layout, kept) {
             fail!("out of memory reserving the writer's buffers");
         }
         let pool = Arc::new(pool);
         reuse_pool = Some(pool.clone());
-        opts.allocator = pool;
+        save_opts.allocator = pool;
     }
-    let repeats = args.repeat as usize;
+    let repeats = opts.repeat as usize;
     let pb = progress_bar(
         (repeats as u64 * 2 + 1) * limit_bytes + repeats as u64 * 2 * bytes,
         quiet,
     );
     pb.set_message("generating tensors");
-    let shift = if args.unaligned { UNALIGNED_SHIFT } else { 0 };
+    let shift = if opts.unaligned { UNALIGNED_SHIFT } else { 0 };
     // Each tensor at the next page boundary (plus `shift`).
     let mut starts = Vec::with_capacity(tensors.len());
     let mut arena_len = 0usize;
@@ -202,12 +202,12 @@ pub fn run_checkpoint_bench(args: &CheckpointBenchOptions) -> Result<CheckpointB
         .zip(&data)
         .map(|(t, d)| TensorRef::new(&t.name, t.dtype, &t.shape, d))
         .collect();
-    let groups = group_shards(&tensors, args.shard_bytes);
+    let groups = group_shards(&tensors, opts.shard_bytes);
     let patterns = random_write_patterns(limit_io as usize)?;
 
     let names: Vec<&str> = ["naive", "kvtier"]
         .into_iter()
-        .filter(|n| args.only.is_empty() || args.only.iter().any(|o| o == n))
+        .filter(|n| opts.only.is_empty() || opts.only.iter().any(|o| o == n))
         .collect();
     let mut results = vec![Samples::default(); names.len()];
     let mut limits = Vec::new();
@@ -218,7 +218,7 @@ pub fn run_checkpoint_bench(args: &CheckpointBenchOptions) -> Result<CheckpointB
     let measure_limit = |drops: &mut CacheDrops| -> Result<f64> {
         pb.set_message("device write limit: settling");
         drops.drop_now();
-        settle(args.settle_secs);
+        settle(opts.settle_secs);
         pb.set_message("device write limit");
         let g = measure_write(&limit_path, limit_bytes, direct.direct, &patterns, engine)?;
         pb.inc(limit_bytes);
@@ -235,14 +235,14 @@ pub fn run_checkpoint_bench(args: &CheckpointBenchOptions) -> Result<CheckpointB
             }
             pb.set_message(format!("{name} ({}/{repeats}): settling", rep + 1));
             drops.drop_now();
-            settle(args.settle_secs);
+            settle(opts.settle_secs);
             pb.set_message(format!("{name} ({}/{repeats})", rep + 1));
             let t = Instant::now();
             let (files, file_bytes, was_direct, borrowed) = if *name == "naive" {
                 let (f, b) = naive_save(&target, &tensors, &data, &groups)?;
                 (f, b, false, 0)
             } else {
-                let info = save(&target, &refs, &opts).step("kvtier checkpoint save")?;
+                let info = save(&target, &refs, &save_opts).step("kvtier checkpoint save")?;
                 direct_reason = info.direct_reason.clone();
                 (
                     info.files.len(),
@@ -264,7 +264,7 @@ pub fn run_checkpoint_bench(args: &CheckpointBenchOptions) -> Result<CheckpointB
                 .with_step(|| format!("cannot remove {}", target.display()))?;
         }
         pb.set_message("first touch");
-        settle(args.settle_secs);
+        settle(opts.settle_secs);
         first_touch.push(first_touch_gbps(FIRST_TOUCH_BYTES).map_err(BenchError::Failed)?);
     }
     limits.push(measure_limit(&mut drops)?);
@@ -299,7 +299,7 @@ pub fn run_checkpoint_bench(args: &CheckpointBenchOptions) -> Result<CheckpointB
     let report = CheckpointBenchReport {
         device_write_limit_gbps: limit_gbps,
         bytes,
-        tensor_memory: if args.unaligned {
+        tensor_memory: if opts.unaligned {
             format!("{UNALIGNED_SHIFT} bytes past a page")
         } else {
             "page-aligned".to_string()
@@ -310,13 +310,13 @@ pub fn run_checkpoint_bench(args: &CheckpointBenchOptions) -> Result<CheckpointB
         write_limit_io_bytes: limit_io,
         first_touch_gbps: median(&first_touch),
         tensors: tensors.len(),
-        shard_bytes: args.shard_bytes,
-        repeat: args.repeat,
-        settle_secs: args.settle_secs,
+        shard_bytes: opts.shard_bytes,
+        repeat: opts.repeat,
+        settle_secs: opts.settle_secs,
         page_cache: drops.describe(),
-        kvtier_chunk_bytes: opts.chunk_bytes as u64,
-        kvtier_in_flight: opts.in_flight,
-        kvtier_threads: opts.threads,
+        kvtier_chunk_bytes: save_opts.chunk_bytes as u64,
+        kvtier_in_flight: save_opts.in_flight,
+        kvtier_threads: save_opts.threads,
         kvtier_direct_reason: direct_reason,
         dir: work.display().to_string(),
     };

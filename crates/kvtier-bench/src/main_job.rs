@@ -116,9 +116,9 @@ pub struct MainJobOutcome {
 
 /// Runs the main job and writes its reports; gates are judged in the
 /// report, not enforced here.
-pub fn run_main_job(args: &MainJobOptions) -> Result<MainJobOutcome> {
+pub fn run_main_job(opts: &MainJobOptions) -> Result<MainJobOutcome> {
     // Everything a user can get wrong is checked before any work starts.
-    let gates = match &args.gates {
+    let gates = match &opts.gates {
         Some(p) => {
             let text = std::fs::read_to_string(p)
                 .with_step(|| format!("cannot read gates file {}", p.display()))?;
@@ -128,41 +128,41 @@ pub fn run_main_job(args: &MainJobOptions) -> Result<MainJobOutcome> {
         None => Gates::default(),
     };
     let workload = ColdRecoveryConfig {
-        sessions: args.sessions,
-        shared_tokens: args.shared_tokens,
-        history_tokens: args.history_tokens,
-        question_tokens: args.question_tokens,
-        max_tokens: args.max_tokens,
-        concurrency: args.concurrency.clone(),
-        evict_g2: !args.keep_g2,
+        sessions: opts.sessions,
+        shared_tokens: opts.shared_tokens,
+        history_tokens: opts.history_tokens,
+        question_tokens: opts.question_tokens,
+        max_tokens: opts.max_tokens,
+        concurrency: opts.concurrency.clone(),
+        evict_g2: !opts.keep_g2,
         seed: 42,
     };
     workload.validate().map_err(BenchError::Failed)?;
-    if args.block_tokens == 0 {
+    if opts.block_tokens == 0 {
         fail!("--block-tokens must be positive");
     }
-    let out = args.out.clone().unwrap_or_else(default_out_dir);
-    if args.cache_dir.exists() {
-        std::fs::remove_dir_all(&args.cache_dir)
-            .with_step(|| format!("cannot empty the cache dir {}", args.cache_dir.display()))?;
+    let out = opts.out.clone().unwrap_or_else(default_out_dir);
+    if opts.cache_dir.exists() {
+        std::fs::remove_dir_all(&opts.cache_dir)
+            .with_step(|| format!("cannot empty the cache dir {}", opts.cache_dir.display()))?;
     }
-    std::fs::create_dir_all(&args.cache_dir)
-        .with_step(|| format!("cannot create the cache dir {}", args.cache_dir.display()))?;
-    let mut target: Box<dyn Target> = match &args.endpoint {
+    std::fs::create_dir_all(&opts.cache_dir)
+        .with_step(|| format!("cannot create the cache dir {}", opts.cache_dir.display()))?;
+    let mut target: Box<dyn Target> = match &opts.endpoint {
         // An unreachable endpoint is an error here, before any work starts.
         Some(url) => Box::new(Endpoint::new(
             url,
-            args.model_name.as_deref().unwrap_or(""),
+            opts.model_name.as_deref().unwrap_or(""),
         )?),
-        None => Box::new(in_process(args)?),
+        None => Box::new(in_process(opts)?),
     };
 
     // The device limit is measured in the same run, between the runs, on a
     // file in the cache directory (same device as G3).
     let io = IoEngine::shared();
-    let direct = kvtier_io::probe_direct(&args.cache_dir).direct;
+    let direct = kvtier_io::probe_direct(&opts.cache_dir).direct;
     let (mut limit, _) = DeviceLimit::create(
-        &args.cache_dir.join("device-limit.bin"),
+        &opts.cache_dir.join("device-limit.bin"),
         512 << 20,
         direct,
         io,
@@ -184,7 +184,7 @@ pub fn run_main_job(args: &MainJobOptions) -> Result<MainJobOutcome> {
         gates,
         cost: CostModel::default(),
         meter: MeterOptions::default(),
-        progress: args.progress,
+        progress: opts.progress,
     };
     let hooks = Hooks {
         device_limit: &mut measure,
@@ -192,7 +192,7 @@ pub fn run_main_job(args: &MainJobOptions) -> Result<MainJobOutcome> {
     };
     let report = run_cold_recovery(target.as_mut(), &run, hooks, machine)?;
     drop(target);
-    let _ = std::fs::remove_file(args.cache_dir.join("device-limit.bin"));
+    let _ = std::fs::remove_file(opts.cache_dir.join("device-limit.bin"));
 
     write_reports(&report, &out)?;
     Ok(MainJobOutcome {
@@ -219,13 +219,13 @@ fn write_reports(report: &BenchReport, out: &Path) -> Result<()> {
 }
 
 /// The in-process engine with its store under the cache dir.
-fn in_process(args: &MainJobOptions) -> Result<InProcess> {
-    let model_dir = match &args.model {
+fn in_process(opts: &MainJobOptions) -> Result<InProcess> {
+    let model_dir = match &opts.model {
         Some(d) => d.clone(),
         None => {
             let d = PathBuf::from("kvtier-cache/models/small");
             if !d.join("model.safetensors").exists() {
-                if args.progress {
+                if opts.progress {
                     eprintln!("generating the embedded small model in {} ...", d.display());
                 }
                 write_preset(Preset::Small, 0, &d).step("writing the embedded model")?;
@@ -235,26 +235,26 @@ fn in_process(args: &MainJobOptions) -> Result<InProcess> {
     };
 
     let max_seq =
-        args.shared_tokens + args.history_tokens + args.question_tokens + args.max_tokens + 256;
-    let per_seq_pages = max_seq.div_ceil(args.block_tokens) + 1;
-    let opts = EngineOptions {
-        block_tokens: args.block_tokens,
-        pool_pages: per_seq_pages * (args.max_batch.max(1) + 2),
+        opts.shared_tokens + opts.history_tokens + opts.question_tokens + opts.max_tokens + 256;
+    let per_seq_pages = max_seq.div_ceil(opts.block_tokens) + 1;
+    let engine_opts = EngineOptions {
+        block_tokens: opts.block_tokens,
+        pool_pages: per_seq_pages * (opts.max_batch.max(1) + 2),
         max_seq_tokens: max_seq.max(2048),
         prefix_reuse: true,
         ..Default::default()
     };
     let store = StoreOptions {
-        memory_bytes: args.g2_bytes,
-        disk_dirs: vec![args.cache_dir.join("g3")],
-        disk_bytes: args.g3_bytes,
+        memory_bytes: opts.g2_bytes,
+        disk_dirs: vec![opts.cache_dir.join("g3")],
+        disk_bytes: opts.g3_bytes,
         remote: None,
     };
-    let engine = Engine::load(&model_dir, opts, Some(store))
+    let engine = Engine::load(&model_dir, engine_opts, Some(store))
         .with_step(|| format!("loading the model in {}", model_dir.display()))?;
     let tokenizer = TextTokenizer::from_dir(&model_dir)?;
     let batch = BatchConfig {
-        max_batch: args.max_batch.max(1),
+        max_batch: opts.max_batch.max(1),
         max_wait: Duration::from_millis(50),
     };
     let description = format!("in-process engine, model {}", model_dir.display());

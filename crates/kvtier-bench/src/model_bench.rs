@@ -183,8 +183,8 @@ fn mode_name(warm: bool) -> &'static str {
 }
 
 /// Runs the bench and returns its report.
-pub fn run_model_bench(args: &ModelBenchOptions) -> Result<ModelBenchReport> {
-    let dir = &args.dir;
+pub fn run_model_bench(opts: &ModelBenchOptions) -> Result<ModelBenchReport> {
+    let dir = &opts.dir;
     check_model_dir(dir)?;
     let paths =
         model_shards(dir).with_step(|| format!("cannot load the model in {}", dir.display()))?;
@@ -196,12 +196,12 @@ pub fn run_model_bench(args: &ModelBenchOptions) -> Result<ModelBenchReport> {
         lens.push(h.file_len());
     }
     let bytes: u64 = lens.iter().sum();
-    let limit_bytes = args.limit_bytes.unwrap_or_else(|| limit_file_bytes(bytes));
-    let scratch = args.scratch.clone().unwrap_or_else(|| dir.clone());
+    let limit_bytes = opts.limit_bytes.unwrap_or_else(|| limit_file_bytes(bytes));
+    let scratch = opts.scratch.clone().unwrap_or_else(|| dir.clone());
     let run_dirs = RunDirs::create(std::slice::from_ref(&scratch), 0, 0, false)?;
     let work = run_dirs.first().to_path_buf();
     let engine = IoEngine::shared();
-    let quiet = !args.progress;
+    let quiet = !opts.progress;
     let say = |msg: &str| {
         if !quiet {
             eprintln!("{msg}");
@@ -211,7 +211,7 @@ pub fn run_model_bench(args: &ModelBenchOptions) -> Result<ModelBenchReport> {
     // Python contenders: ready (installed) or skipped with the reason.
     let mut skipped = Vec::new();
     let mut contenders = vec![Contender::Naive, Contender::Mmap, Contender::Kvtier];
-    let python = if !args.python_contenders {
+    let python = if !opts.python_contenders {
         for p in PyLoader::ALL {
             skipped.push(Skipped {
                 name: p.name().into(),
@@ -220,7 +220,7 @@ pub fn run_model_bench(args: &ModelBenchOptions) -> Result<ModelBenchReport> {
         }
         None
     } else {
-        match Python::prepare(&args.python, &work) {
+        match Python::prepare(&opts.python, &work) {
             Err(why) => {
                 for p in PyLoader::ALL {
                     skipped.push(Skipped {
@@ -233,7 +233,7 @@ pub fn run_model_bench(args: &ModelBenchOptions) -> Result<ModelBenchReport> {
             Ok(py) => {
                 for p in PyLoader::ALL {
                     say(&format!("checking Python packages for {}...", p.name()));
-                    match py.ensure(p, args.install_python_packages) {
+                    match py.ensure(p, opts.install_python_packages) {
                         Ok(()) => contenders.push(Contender::Py(p)),
                         Err(reason) => skipped.push(Skipped {
                             name: p.name().into(),
@@ -246,27 +246,27 @@ pub fn run_model_bench(args: &ModelBenchOptions) -> Result<ModelBenchReport> {
         }
     };
 
-    if !args.only.is_empty() {
-        contenders.retain(|c| args.only.iter().any(|n| n == c.name()));
-        skipped.retain(|s| args.only.contains(&s.name));
+    if !opts.only.is_empty() {
+        contenders.retain(|c| opts.only.iter().any(|n| n == c.name()));
+        skipped.retain(|s| opts.only.contains(&s.name));
         if contenders.is_empty() {
-            fail!("none of --only {} can run", args.only.join(","));
+            fail!("none of --only {} can run", opts.only.join(","));
         }
     }
-    let direct = direct_read_works(&paths[0]);
-    let mut limit = DeviceLimit::over_files(&paths, limit_bytes, args.limit_io_bytes, direct)?;
+    let direct = paths.first().is_some_and(|p| direct_read_works(p));
+    let mut limit = DeviceLimit::over_files(&paths, limit_bytes, opts.limit_io_bytes, direct)?;
     let limit_bytes = limit.bytes();
 
-    let modes: Vec<bool> = match args.modes {
+    let modes: Vec<bool> = match opts.modes {
         LoadModes::Cold => vec![false],
         LoadModes::Warm => vec![true],
         LoadModes::Both => vec![false, true],
     };
-    let repeats = args.repeat as usize;
+    let repeats = opts.repeat as usize;
     let total_work =
         (modes.len() * repeats * contenders.len()) as u64 * (bytes + limit_bytes) + limit_bytes;
     let pb = progress_bar(total_work, quiet);
-    let cfg = args.loader.clone();
+    let cfg = opts.loader.clone();
     let ft_bytes = bytes.min(MAX_FIRST_TOUCH_BYTES) as usize;
 
     let mut drops = CacheDrops::default();
@@ -319,7 +319,7 @@ pub fn run_model_bench(args: &ModelBenchOptions) -> Result<ModelBenchReport> {
                 }
                 pb.set_message(format!("{label}: settling"));
                 drops.drop_or_evict(&paths);
-                settle(args.settle_secs);
+                settle(opts.settle_secs);
                 // The device limit right before the load, in the same settled
                 // state (O_DIRECT into buffers touched long ago: it leaves
                 // the page cache and free memory as they are).
@@ -377,20 +377,20 @@ pub fn run_model_bench(args: &ModelBenchOptions) -> Result<ModelBenchReport> {
                 }
             }
             pb.set_message("first touch");
-            settle(args.settle_secs);
+            settle(opts.settle_secs);
             first_touch.push(first_touch_gbps(ft_bytes).map_err(BenchError::Failed)?);
         }
         drop(pools);
     }
     pb.set_message("device limit");
     drops.drop_or_evict(&paths);
-    settle(args.settle_secs);
+    settle(opts.settle_secs);
     limit_samples.push(limit.measure(engine)?);
     pb.inc(limit_bytes);
     pb.finish_and_clear();
 
     let report = build_report(
-        args,
+        opts,
         &modes,
         &contenders,
         &results,
@@ -422,7 +422,7 @@ struct Facts<'a> {
 
 #[allow(clippy::too_many_arguments)]
 fn build_report(
-    args: &ModelBenchOptions,
+    opts: &ModelBenchOptions,
     modes: &[bool],
     contenders: &[Contender],
     results: &[Vec<Samples>],
@@ -497,7 +497,7 @@ fn build_report(
     let mut per_mode = per_mode.into_iter();
     let loaders = per_mode.next().unwrap_or_default();
     let warm_loaders = per_mode.next().unwrap_or_default();
-    let cfg = args.loader.clone();
+    let cfg = opts.loader.clone();
     let kvtier_io = KvtierIo {
         direct: kv_stats.as_ref().is_some_and(|s| s.direct),
         buffered_reason: kv_stats.as_ref().and_then(|s| s.buffered_reason.clone()),
@@ -518,11 +518,11 @@ fn build_report(
         device_limit_samples_gbps: limit_samples,
         first_touch_gbps,
         first_touch_samples_gbps: first_touch,
-        dir: args.dir.display().to_string(),
+        dir: opts.dir.display().to_string(),
         shards: facts.shards,
         tensors: facts.tensors,
-        repeat: args.repeat,
-        settle_secs: args.settle_secs,
+        repeat: opts.repeat,
+        settle_secs: opts.settle_secs,
         page_cache_cold: facts.drops.all_cold(),
         page_cache: facts.drops.describe(),
         kvtier_io,

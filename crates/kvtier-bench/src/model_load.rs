@@ -185,29 +185,29 @@ pub fn check_model_dir(dir: &Path) -> Result<()> {
 
 /// Loads the model, following the reads with a progress bar, and returns
 /// the report.
-pub fn run_model_load(args: &ModelLoadOptions) -> Result<LoadReport> {
-    check_model_dir(&args.dir)?;
-    let cfg = args.loader.clone();
-    let total = expected_bytes(&args.dir);
-    let pb = progress_bar(total, !args.progress);
+pub fn run_model_load(opts: &ModelLoadOptions) -> Result<LoadReport> {
+    check_model_dir(&opts.dir)?;
+    let cfg = opts.loader.clone();
+    let total = expected_bytes(&opts.dir);
+    let pb = progress_bar(total, !opts.progress);
     pb.set_message("loading");
     let stop = Arc::new(AtomicBool::new(false));
     let follower = {
         let (pb, stop) = (pb.clone(), stop.clone());
         std::thread::spawn(move || follow_reads(pb, total, stop))
     };
-    let loaded = if args.device == "cpu" {
-        load_host(&args.dir, &cfg)
+    let loaded = if opts.device == "cpu" {
+        load_host(&opts.dir, &cfg)
     } else {
-        load_gpu(&args.dir, &cfg, &args.device, args.staging_buffers)
+        load_gpu(&opts.dir, &cfg, &opts.device, opts.staging_buffers)
     };
     stop.store(true, Ordering::Relaxed);
     let _ = follower.join();
     pb.finish_and_clear();
-    let loaded = loaded.with_step(|| format!("cannot load the model in {}", args.dir.display()))?;
+    let loaded = loaded.with_step(|| format!("cannot load the model in {}", opts.dir.display()))?;
     let stats = &loaded.stats;
     Ok(LoadReport {
-        dir: args.dir.display().to_string(),
+        dir: opts.dir.display().to_string(),
         bytes: stats.bytes,
         shards: stats.shards,
         tensors: loaded.tensors,
@@ -218,7 +218,7 @@ pub fn run_model_load(args: &ModelLoadOptions) -> Result<LoadReport> {
         io_backend: stats.io_backend.to_string(),
         chunk_bytes: cfg.chunk_bytes as u64,
         in_flight: cfg.in_flight as u32,
-        device: args.device.clone(),
+        device: opts.device.clone(),
         staging_buffers: loaded.staging_buffers,
         max_queued_copies: loaded.max_queued_copies,
     })

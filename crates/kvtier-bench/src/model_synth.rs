@@ -271,19 +271,19 @@ impl TextReport for SynthReport {
     }
 }
 
-/// Writes the synthetic model `args` describe, after checking that `dir`
+/// Writes the synthetic model `opts` describe, after checking that `dir`
 /// holds no model (unless `force`) and has the room.
-pub fn run_model_synth(args: &ModelSynthOptions) -> Result<SynthReport> {
-    let plan = plan_model(args.bytes, args.shards)?;
-    let dir = &args.dir;
+pub fn run_model_synth(opts: &ModelSynthOptions) -> Result<SynthReport> {
+    let plan = plan_model(opts.bytes, opts.shards)?;
+    let dir = &opts.dir;
     std::fs::create_dir_all(dir).with_step(|| format!("cannot create {}", dir.display()))?;
-    if dir.join(SINGLE_FILE).exists() && !args.force {
+    if dir.join(SINGLE_FILE).exists() && !opts.force {
         fail!(
             "{} already holds {SINGLE_FILE}; pass --force to replace it",
             dir.display()
         );
     }
-    clear_dir(dir, args.force)?;
+    clear_dir(dir, opts.force)?;
     let data: u64 = plan.iter().map(ShardPlan::data_bytes).sum();
     let need = data + data / 100 + (1 << 20);
     let free =
@@ -297,7 +297,7 @@ pub fn run_model_synth(args: &ModelSynthOptions) -> Result<SynthReport> {
         );
     }
     let t = Instant::now();
-    let model = write_model(dir, &plan, args.seed, !args.progress)?;
+    let model = write_model(dir, &plan, opts.seed, !opts.progress)?;
     Ok(SynthReport {
         dir: dir.clone(),
         model,

@@ -96,11 +96,14 @@ pub fn chunk_blocks(in_flight: u32, block_bytes: u64, blocks: u64, requested: Op
 }
 
 /// Runs the G3 bench (see the module docs) and returns its report.
-pub fn run_g3(args: &G3BenchOptions) -> Result<StoreBenchReport> {
-    let block_bytes = args.block_bytes;
-    let total_bytes = args.total_bytes;
+pub fn run_g3(opts: &G3BenchOptions) -> Result<StoreBenchReport> {
+    let block_bytes = opts.block_bytes;
+    let total_bytes = opts.total_bytes;
     let layout = layout_for_block_bytes(block_bytes).map_err(BenchError::Failed)?;
-    let roots = args.dirs.clone();
+    let roots = opts.dirs.clone();
+    if roots.is_empty() {
+        fail!("no bench directory given");
+    }
     let ndirs = roots.len() as u64;
     let per_dir = total_bytes / block_bytes / ndirs;
     if per_dir == 0 {
@@ -114,12 +117,12 @@ pub fn run_g3(args: &G3BenchOptions) -> Result<StoreBenchReport> {
     let blocks = per_dir * ndirs;
     let total = blocks * block_bytes;
     let limit_bytes = limit_file_bytes(total);
-    let in_flights: Vec<u32> = args.in_flight.clone();
+    let in_flights: Vec<u32> = opts.in_flight.clone();
     if in_flights.is_empty() {
         fail!("--in-flight needs at least one depth");
     }
 
-    let run_dirs = RunDirs::create(&roots, per_dir * block_bytes, limit_bytes, args.keep)?;
+    let run_dirs = RunDirs::create(&roots, per_dir * block_bytes, limit_bytes, opts.keep)?;
     let engine = IoEngine::shared().clone();
     let metrics = StoreMetrics::new();
     let mut config = DiskConfig::new(run_dirs.dirs().to_vec(), total, layout);
@@ -151,9 +154,9 @@ pub fn run_g3(args: &G3BenchOptions) -> Result<StoreBenchReport> {
     );
 
     let cases = in_flights.len() as u64;
-    let repeats = u64::from(args.repeat);
+    let repeats = u64::from(opts.repeat);
     let work = total + limit_bytes + repeats * cases * (total + limit_bytes) + limit_bytes;
-    let pb = progress_bar(work, !args.progress);
+    let pb = progress_bar(work, !opts.progress);
 
     pb.set_message("writing block set");
     let write_gbps = write_set(&disk, layout, blocks, &pb)?;
@@ -169,7 +172,7 @@ pub fn run_g3(args: &G3BenchOptions) -> Result<StoreBenchReport> {
 
     let chunks: Vec<u64> = in_flights
         .iter()
-        .map(|&q| chunk_blocks(q, block_bytes, blocks, args.chunk_blocks))
+        .map(|&q| chunk_blocks(q, block_bytes, blocks, opts.chunk_blocks))
         .collect();
     let pool = chunks.iter().copied().max().unwrap_or(1);
     pb.set_message("touching read buffers");
@@ -189,11 +192,11 @@ pub fn run_g3(args: &G3BenchOptions) -> Result<StoreBenchReport> {
         tracing::debug!("device limit sample: {g:.3} GB/s");
         Ok(g)
     };
-    for rep in 0..args.repeat {
+    for rep in 0..opts.repeat {
         for (c, &q) in in_flights.iter().enumerate() {
             limit_samples.push(measure_limit(&pb, &mut drops)?);
             case_pos[c].push(limit_samples.len() - 1);
-            pb.set_message(format!("read, {q} in flight ({}/{})", rep + 1, args.repeat));
+            pb.set_message(format!("read, {q} in flight ({}/{})", rep + 1, opts.repeat));
             drops.drop_now();
             let pass =
                 reader.read_all(&disk, &metrics, blocks, q as usize, chunks[c] as usize, &pb)?;
@@ -237,7 +240,7 @@ pub fn run_g3(args: &G3BenchOptions) -> Result<StoreBenchReport> {
         block_bytes,
         blocks,
         layout: layout.to_string(),
-        repeat: args.repeat,
+        repeat: opts.repeat,
         dirs: run_dirs
             .dirs()
             .iter()

@@ -1,5 +1,5 @@
 //! Flags of `kvtier model load|bench|synth` and `kvtier checkpoint bench`
-//! (the commands themselves are declared in [`crate::cli`]).
+//! (the commands themselves are declared in `cli.rs`).
 
 use std::path::PathBuf;
 

@@ -5,7 +5,7 @@ use anyhow::Result;
 use kvtier_bench::host_info::gather;
 
 use crate::cli::InfoArgs;
-use crate::print_report;
+use crate::print_report::print_report;
 
 /// Runs `kvtier info`.
 pub fn run(args: &InfoArgs) -> Result<()> {

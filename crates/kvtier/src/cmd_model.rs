@@ -11,7 +11,7 @@ use kvtier_bench::model_synth::{ModelSynthOptions, run_model_synth};
 use crate::cli_model::{
     BenchMode, CheckpointBenchArgs, ModelBenchArgs, ModelLoadArgs, ModelSynthArgs,
 };
-use crate::print_report;
+use crate::print_report::print_report;
 
 /// Runs `kvtier model load`.
 pub fn load(args: &ModelLoadArgs) -> Result<()> {

@@ -7,7 +7,7 @@ use kvtier_bench::store_bench::g4::{G4BenchOptions, run_g4};
 use kvtier_bench::store_bench::{G3BenchOptions, run_g3};
 
 use crate::cli::{BenchArgs, BenchTier};
-use crate::print_report;
+use crate::print_report::print_report;
 
 /// Runs the bench of `--tier` and prints its report (a table, or one JSON
 /// object).

@@ -23,14 +23,13 @@ mod cmd_model_init;
 mod cmd_prefill;
 mod cmd_serve;
 mod cmd_store;
+mod print_report;
 mod remote_flags;
 
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kvtier_bench::TextReport;
-use serde::Serialize;
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::{CheckpointCommand, Cli, Command, ModelCommand, StoreCommand};
@@ -46,17 +45,6 @@ fn init_logging(filter: Option<&str>) -> Result<()> {
         .with_writer(std::io::stderr)
         .try_init()
         .map_err(|e| anyhow::anyhow!("cannot set up logging: {e}"))
-}
-
-/// How every command with `--json` ends: exactly one JSON object on
-/// stdout, else the report's table.
-pub fn print_report<R: Serialize + TextReport>(report: &R, json: bool) -> Result<()> {
-    if json {
-        println!("{}", serde_json::to_string_pretty(report)?);
-    } else {
-        print!("{}", report.table());
-    }
-    Ok(())
 }
 
 fn run(cli: Cli) -> Result<()> {

@@ -293,15 +293,15 @@ fn run_namespace(base: &str) -> String {
 }
 
 /// Runs the G4 bench (see the module docs) and returns its report.
-pub fn run_g4(args: &G4BenchOptions) -> Result<G4BenchReport> {
-    let mut rc = args.remote.clone();
+pub fn run_g4(opts: &G4BenchOptions) -> Result<G4BenchReport> {
+    let mut rc = opts.remote.clone();
     let url = rc.url.clone();
     let shown = redact_url(&url);
     let target = parse_target(&url).map_err(BenchError::other)?;
-    let payload_bytes = args.block_bytes;
+    let payload_bytes = opts.block_bytes;
     let layout = g4_layout(payload_bytes).map_err(BenchError::Failed)?;
     let value_bytes = HEADER_BYTES as u64 + payload_bytes;
-    let total_bytes = args.total_bytes;
+    let total_bytes = opts.total_bytes;
     let blocks = total_bytes / value_bytes;
     if blocks == 0 {
         fail!(
@@ -313,14 +313,14 @@ pub fn run_g4(args: &G4BenchOptions) -> Result<G4BenchReport> {
     if blocks >= MAX_BLOCKS {
         fail!("--total-bytes {total_bytes} makes {blocks} blocks; at most {MAX_BLOCKS} - 1");
     }
-    let in_flight = args
+    let in_flight = opts
         .in_flight
         .iter()
         .copied()
         .max()
         .ok_or_else(|| BenchError::Failed("--in-flight needs at least one depth".into()))?;
     let slot = layout.encoded_bytes();
-    let chunk = chunk_blocks(in_flight, slot, blocks, args.chunk_blocks);
+    let chunk = chunk_blocks(in_flight, slot, blocks, opts.chunk_blocks);
 
     // redis-benchmark first: a missing binary fails before anything is
     // written to the pool.
@@ -393,10 +393,10 @@ pub fn run_g4(args: &G4BenchOptions) -> Result<G4BenchReport> {
         fail!("cannot reach the G4 pool {shown} ({})", pool_health(m));
     }
 
-    let repeats = u64::from(args.repeat);
+    let repeats = u64::from(opts.repeat);
     let rb_bytes = rb.as_ref().map_or(0, |r| r.requests * value_bytes);
     let set_bytes = blocks * value_bytes;
-    let pb = progress_bar(set_bytes + repeats * (set_bytes + rb_bytes), !args.progress);
+    let pb = progress_bar(set_bytes + repeats * (set_bytes + rb_bytes), !opts.progress);
     let measured = (|| -> Result<Samples> {
         pb.set_message("putting blocks into G4");
         let put_gbps = put_set(&store, payload_bytes as usize, blocks, queue_limit, &pb)?;
@@ -407,17 +407,17 @@ pub fn run_g4(args: &G4BenchOptions) -> Result<G4BenchReport> {
             rb_gbps: Vec::new(),
             rb_rps: Vec::new(),
         };
-        for rep in 0..args.repeat {
+        for rep in 0..opts.repeat {
             let g4_first = rep % 2 == 0;
             for side in 0..2 {
                 if (side == 0) == g4_first {
-                    pb.set_message(format!("G4 restore ({}/{})", rep + 1, args.repeat));
+                    pb.set_message(format!("G4 restore ({}/{})", rep + 1, opts.repeat));
                     let secs = restore_pass(&store, blocks, chunk, &pb)?;
                     tracing::debug!("G4 restore: {:.3} GB/s", gbps(set_bytes, secs));
                     s.g4_gbps.push(gbps(set_bytes, secs));
                     s.g4_per_sec.push(blocks as f64 / secs.max(1e-9));
                 } else if let Some(rb) = &rb {
-                    pb.set_message(format!("redis-benchmark ({}/{})", rep + 1, args.repeat));
+                    pb.set_message(format!("redis-benchmark ({}/{})", rep + 1, opts.repeat));
                     let rps = rb.run()?;
                     let g = rps * value_bytes as f64 / 1e9;
                     tracing::debug!("redis-benchmark GET: {rps:.1} rps, {g:.3} GB/s");
@@ -429,7 +429,7 @@ pub fn run_g4(args: &G4BenchOptions) -> Result<G4BenchReport> {
         }
         Ok(s)
     })();
-    let keys_left = if args.keep {
+    let keys_left = if opts.keep {
         None
     } else {
         pb.set_message("deleting the bench blocks");
@@ -462,7 +462,7 @@ pub fn run_g4(args: &G4BenchOptions) -> Result<G4BenchReport> {
         total_bytes: set_bytes,
         in_flight,
         chunk_blocks: chunk,
-        repeat: args.repeat,
+        repeat: opts.repeat,
         g4_get_per_sec: median(&s.g4_per_sec),
         g4_samples_gbps: s.g4_gbps,
         g4_put_gbps: s.put_gbps,
@@ -477,7 +477,7 @@ pub fn run_g4(args: &G4BenchOptions) -> Result<G4BenchReport> {
         redis_benchmark_skipped: rb_skipped.map(str::to_string),
         g4_errors: m.remote.errors.get(),
         g4_timeouts: m.remote.timeouts.get(),
-        kept: args.keep,
+        kept: opts.keep,
         keys_left,
     };
     drop(store);
