@@ -62,14 +62,14 @@ pub struct CheckpointBenchOptions {
     pub settle_secs: f64,
     /// Target bytes of tensor data per shard file (both writers).
     pub shard_bytes: u64,
-    /// Bytes per write of the kvtier writer [default: the library's].
+    /// Bytes per write of the kvtier writer (default: the library's).
     pub chunk_bytes: Option<usize>,
-    /// Writes the kvtier writer keeps in flight [default: the library's].
+    /// Writes the kvtier writer keeps in flight (default: the library's).
     pub in_flight: Option<usize>,
     /// Threads gathering chunks for the kvtier writer (and fsyncing its
-    /// files) [default: the library's].
+    /// files) (default: the library's).
     pub threads: Option<usize>,
-    /// Run only these writers (`naive`, `kvtier`) [default, empty: both].
+    /// Run only these writers (`naive`, `kvtier`) (default, empty: both).
     pub only: Vec<String>,
     /// Give the kvtier writer write buffers from a pool touched before
     /// timing.

@@ -49,7 +49,7 @@ pub struct MainJobOptions {
     pub model_name: Option<String>,
     /// Directory for the KV cache (G3); emptied before the run.
     pub cache_dir: PathBuf,
-    /// Where reports go [default: `bench-results/<timestamp>`].
+    /// Where reports go (default: `bench-results/<timestamp>`).
     pub out: Option<PathBuf>,
     /// Sessions.
     pub sessions: usize,
@@ -74,7 +74,7 @@ pub struct MainJobOptions {
     pub g3_bytes: u64,
     /// Most sequences batched together by the scheduler.
     pub max_batch: usize,
-    /// Gates file (TOML) [default: the brief's G3 gate].
+    /// Gates file (TOML) (default: the brief's G3 gate).
     pub gates: Option<PathBuf>,
     /// Show progress and status lines on stderr.
     pub progress: bool,

@@ -65,7 +65,7 @@ pub struct ModelBenchOptions {
     /// Seconds to wait after dropping the page cache (and freeing the last
     /// contender's memory) before each load.
     pub settle_secs: f64,
-    /// Run only these contenders (by name) [default, empty: all].
+    /// Run only these contenders (by name) (default, empty: all).
     pub only: Vec<String>,
     /// Run the Python contenders when Python is there.
     pub python_contenders: bool,

@@ -56,7 +56,7 @@ pub struct G3BenchOptions {
     pub in_flight: Vec<u32>,
     /// Times to run every case; the median is reported.
     pub repeat: u32,
-    /// Blocks per store read call [default: [`chunk_blocks`]'s rule].
+    /// Blocks per store read call (default: [`chunk_blocks`)'s rule].
     pub chunk_blocks: Option<u32>,
     /// Keep the bench files instead of deleting them at the end.
     pub keep: bool,

@@ -9,7 +9,7 @@
 //!   free one) and shuts down on [`RunningServer::shutdown`] or drop.
 //! * [`run`]: what `kvtier serve` calls: [`start`], print `listening on
 //!   http://ADDR` first on stdout, serve until SIGINT/SIGTERM.
-//! * [`prefill`]: compute a prompt's KV and leave it in G4 for a decode
+//! * [`prefill()`]: compute a prompt's KV and leave it in G4 for a decode
 //!   node (`kvtier prefill`).
 //!
 //! Inside:

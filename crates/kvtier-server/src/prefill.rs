@@ -27,15 +27,15 @@ pub struct PrefillOptions {
     pub prompt: String,
     /// Treat the prompt as one user message rendered with the chat template
     /// (as `/v1/chat/completions` does) instead of as is (as
-    /// `/v1/completions` does) [default: as is].
+    /// `/v1/completions` does) (default: as is).
     pub chat: bool,
-    /// Tokens per KV block; must equal the decode node's [default: 256].
+    /// Tokens per KV block; must equal the decode node's (default: 256).
     pub block_tokens: usize,
-    /// Tenant salt; must equal the decode node's [default: empty].
+    /// Tenant salt; must equal the decode node's (default: empty).
     pub tenant_salt: String,
-    /// G2 (host memory) of this node's store while it runs [default: 1 GiB].
+    /// G2 (host memory) of this node's store while it runs (default: 1 GiB).
     pub g2_bytes: u64,
-    /// Where the model runs: `cpu`, or `cuda` / `cuda:N` [default: `cpu`].
+    /// Where the model runs: `cpu`, or `cuda` / `cuda:N` (default: `cpu`).
     pub device: String,
     /// The shared pool the decode node reads.
     pub remote: RemoteConfig,

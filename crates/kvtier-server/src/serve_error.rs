@@ -6,7 +6,7 @@
 use kvtier_engine::EngineError;
 use kvtier_store::StoreError;
 
-/// An error of [`crate::start`], [`crate::run`] or [`crate::prefill`].
+/// An error of [`crate::start`], [`crate::run`] or [`crate::prefill()`].
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     /// Bad options or a model directory that cannot be served.

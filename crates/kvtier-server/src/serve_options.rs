@@ -18,48 +18,48 @@ pub struct ServeOptions {
     /// tokenizer.json), e.g. one written by `kvtier model init`.
     pub model: PathBuf,
     /// Directory for the G3 (disk) tier of the KV cache; created if missing
-    /// [default: `./kvtier-cache`].
+    /// (default: `./kvtier-cache`).
     pub cache_dir: PathBuf,
-    /// Address to listen on [default: `127.0.0.1`].
+    /// Address to listen on (default: `127.0.0.1`).
     pub host: String,
-    /// Port to listen on (0: any free port) [default: 8000].
+    /// Port to listen on (0: any free port) (default: 8000).
     pub port: u16,
-    /// Name clients pass as `model` [default: the model directory's name].
+    /// Name clients pass as `model` (default: the model directory's name).
     pub model_name: Option<String>,
-    /// Tokens per KV block (one G1 page, one store block) [default: 256].
+    /// Tokens per KV block (one G1 page, one store block) (default: 256).
     pub block_tokens: usize,
     /// G1 pages [default: room for `max_batch` full-context sequences, at
     /// most [`DEFAULT_POOL_BYTES`] of KV, at least one full-context
     /// sequence].
     pub pool_pages: Option<usize>,
-    /// G2 (host memory) capacity of the KV store (0: none) [default: 1 GiB].
+    /// G2 (host memory) capacity of the KV store (0: none) (default: 1 GiB).
     pub g2_bytes: u64,
     /// G3 (disk, under `cache_dir`) capacity of the KV store (0: none)
-    /// [default: 16 GiB].
+    /// (default: 16 GiB).
     pub g3_bytes: u64,
     /// Longest sequence (prompt + generated tokens) served; also capped by
-    /// the model's `max_position_embeddings` [default: 8192].
+    /// the model's `max_position_embeddings` (default: 8192).
     pub max_seq_tokens: usize,
-    /// Longest prompt accepted [default: the context length - 1].
+    /// Longest prompt accepted (default: the context length - 1).
     pub max_prompt_tokens: Option<usize>,
     /// Most sequences decoded together (and admitted per batching window)
-    /// [default: 8].
+    /// (default: 8).
     pub max_batch: usize,
     /// Longest wait for more arrivals once the first request of an idle
-    /// batch came [default: 50 ms].
+    /// batch came (default: 50 ms).
     pub max_wait: Duration,
     /// Reuse cached KV (off: recompute every prompt, the baseline; no store
-    /// is opened) [default: on].
+    /// is opened) (default: on).
     pub prefix_reuse: bool,
     /// Tenant salt mixed into every block key, so one tenant's prefixes are
-    /// invisible to another's [default: empty].
+    /// invisible to another's (default: empty).
     pub tenant_salt: String,
-    /// The shared G4 pool [default: none].
+    /// The shared G4 pool (default: none).
     pub remote: Option<RemoteConfig>,
     /// Where the model runs: `cpu`, or `cuda` / `cuda:N` in a build with the
-    /// `cuda` feature [default: `cpu`].
+    /// `cuda` feature (default: `cpu`).
     pub device: String,
-    /// Largest request body accepted (larger ones get 413) [default: 4 MiB].
+    /// Largest request body accepted (larger ones get 413) (default: 4 MiB).
     pub max_body_bytes: u64,
 }
 

@@ -1,5 +1,5 @@
 //! `kvtier prefill`: the flags and the prompt, mapped onto
-//! [`kvtier_server::PrefillOptions`]; the work is [`kvtier_server::prefill`].
+//! [`kvtier_server::PrefillOptions`]; the work is [`kvtier_server::prefill()`].
 
 use std::io::Read;
 use std::path::PathBuf;

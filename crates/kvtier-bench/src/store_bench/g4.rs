@@ -87,7 +87,7 @@ pub struct G4BenchOptions {
     pub in_flight: Vec<u32>,
     /// Times to run each side; the median is reported.
     pub repeat: u32,
-    /// Blocks per store read call (one G4 batch) [default: the G3 rule].
+    /// Blocks per store read call (one G4 batch) (default: the G3 rule).
     pub chunk_blocks: Option<u32>,
     /// Leave the blocks in the pool instead of deleting them.
     pub keep: bool,
@@ -126,7 +126,7 @@ pub fn g4_layout(payload_bytes: u64) -> Result<KvLayout, String> {
     Ok(layout)
 }
 
-/// The key of G4 bench block `i` (below [`MAX_BLOCKS`]): [`KEY_PREFIX`],
+/// The key of G4 bench block `i` (below `MAX_BLOCKS`): `KEY_PREFIX`,
 /// then `i` as 12 binary-coded decimal digits, so its hex form ends in
 /// `format!("{i:012}")`, as redis-benchmark writes `__rand_int__`.
 pub fn g4_key(i: u64) -> BlockKey {
