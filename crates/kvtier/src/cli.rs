@@ -7,9 +7,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use crate::cli_model::{CheckpointBenchArgs, ModelBenchArgs, ModelLoadArgs, ModelSynthArgs};
 use crate::cmd_model_init::ModelInitArgs;
 use crate::cmd_serve::ServeArgs;
+use kvtier_bench::size::parse_size;
+use kvtier_bench::store_bench::slot_layout::check_block_bytes;
+use kvtier_bench::store_bench::{G3_DEFAULT_TOTAL_BYTES, G4_DEFAULT_TOTAL_BYTES};
+
 use crate::remote_flags::RemoteFlags;
-use crate::size::parse_size;
-use crate::slot_layout::check_block_bytes;
 
 /// Largest in-flight depth a case may ask for (the I/O engine's limit).
 pub const MAX_IN_FLIGHT: u32 = kvtier_io::MAX_IN_FLIGHT as u32;
@@ -195,7 +197,7 @@ pub struct BenchArgs {
     /// Bytes of blocks to write and read back (e.g. 4GiB, 512MiB)
     /// [default: 4GiB for g3; 1GiB for g4, which must fit in the pool's
     /// memory].
-    #[arg(long, value_name = "SIZE", value_parser = size_arg)]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub total_bytes: Option<u64>,
 
     /// Size of one block, i.e. one disk slot: a multiple of 4 KiB from 8 KiB
@@ -244,12 +246,6 @@ pub struct BenchArgs {
     pub remote: RemoteFlags,
 }
 
-/// Default `--total-bytes` of the G3 bench.
-pub const G3_DEFAULT_TOTAL_BYTES: u64 = 4 << 30;
-/// Default `--total-bytes` of the G4 bench (it must fit in the pool's
-/// memory).
-pub const G4_DEFAULT_TOTAL_BYTES: u64 = 1 << 30;
-
 impl BenchArgs {
     /// `--total-bytes`, or the tier's default.
     pub fn total_bytes(&self) -> u64 {
@@ -288,10 +284,6 @@ impl BenchArgs {
             self.dirs.clone()
         }
     }
-}
-
-fn size_arg(s: &str) -> Result<u64, String> {
-    parse_size(s)
 }
 
 fn block_bytes_arg(s: &str) -> Result<u64, String> {
@@ -407,5 +399,18 @@ mod tests {
             argv.extend_from_slice(args);
             assert!(Cli::try_parse_from(&argv).is_err(), "{argv:?}");
         }
+    }
+
+    #[test]
+    fn serve_flag_defaults_are_the_library_defaults() {
+        if std::env::var_os("KVTIER_REMOTE").is_some() {
+            return;
+        }
+        let cli = Cli::try_parse_from(["kvtier", "serve", "--model", "m"]).unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve")
+        };
+        let want = kvtier_server::ServeOptions::new("m");
+        assert_eq!(format!("{:?}", args.options()), format!("{want:?}"));
     }
 }

@@ -1,5 +1,5 @@
 //! Flags of `kvtier model load|bench|synth` and `kvtier checkpoint bench`
-//! (the commands themselves are declared in [`crate::cli`]).
+//! (the commands themselves are declared in `cli.rs`).
 
 use std::path::PathBuf;
 
@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 use kvtier_io::DIRECT_IO_ALIGN;
 use kvtier_io::loader::LoaderConfig;
 
-use crate::size::parse_size;
+use kvtier_bench::size::parse_size;
 
 /// Largest reads-in-flight value the loader and writer flags accept.
 pub const MAX_FLIGHT: u32 = kvtier_io::MAX_IN_FLIGHT as u32;
@@ -150,7 +150,7 @@ pub struct ModelBenchArgs {
     /// Bytes of each device-limit sample, read from the shards into
     /// buffers held for the whole run [default: the model's size, at most
     /// 1 GiB].
-    #[arg(long, value_name = "SIZE", value_parser = size_arg)]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub limit_bytes: Option<u64>,
 }
 
@@ -162,7 +162,7 @@ pub struct ModelSynthArgs {
     pub dir: PathBuf,
 
     /// Bytes of tensor data in all (e.g. 4GiB, 16MiB).
-    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = size_arg)]
+    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = parse_size)]
     pub bytes: u64,
 
     /// Number of shard files.
@@ -188,7 +188,7 @@ pub struct CheckpointBenchArgs {
     pub dir: PathBuf,
 
     /// Bytes of tensor data per checkpoint (e.g. 4GiB, 16MiB).
-    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = size_arg)]
+    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = parse_size)]
     pub bytes: u64,
 
     /// Print exactly one JSON object on stdout (no progress bar).
@@ -205,7 +205,7 @@ pub struct CheckpointBenchArgs {
     pub settle_secs: f64,
 
     /// Target bytes of tensor data per shard file (both writers).
-    #[arg(long, value_name = "SIZE", default_value = "2GiB", value_parser = size_arg)]
+    #[arg(long, value_name = "SIZE", default_value = "2GiB", value_parser = parse_size)]
     pub shard_bytes: u64,
 
     /// Bytes per write of the kvtier writer: a multiple of 4 KiB
@@ -249,10 +249,6 @@ pub struct CheckpointBenchArgs {
     /// Keep the bench directory instead of deleting it at the end.
     #[arg(long)]
     pub keep: bool,
-}
-
-fn size_arg(s: &str) -> Result<u64, String> {
-    parse_size(s)
 }
 
 fn io_bytes_arg(s: &str) -> Result<u64, String> {

@@ -1,35 +1,13 @@
-//! `kvtier bench`: kvtier's main job. Runs the cold-recovery workload
-//! (long-context sessions whose KV was computed once and then evicted come
-//! back at concurrency 1, 8 and 16) twice, recomputing (baseline) and
-//! restoring from the tiers (kvtier), and reports TTFT, throughput, restore
-//! bandwidth, energy and cost per token, the ratios, and the gate verdicts.
-//!
-//! With no flags it generates the embedded `small` model under
-//! `./kvtier-cache/models/small` if missing, keeps its KV cache under
-//! `./kvtier-cache/bench-kv` (emptied first, so pass 1 starts cold), and
-//! writes `report.json`, `report.md` and SVG plots to
-//! `bench-results/<timestamp>/`.
+//! `kvtier bench`: the flags of kvtier's main job, mapped onto
+//! [`kvtier_bench::main_job::MainJobOptions`]; the job itself is
+//! [`kvtier_bench::main_job::run_main_job`].
 
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
-use kvtier_bench::endpoint::Endpoint;
-use kvtier_bench::inproc::InProcess;
-use kvtier_bench::plot::write_plots;
-use kvtier_bench::report::MachineInfo;
-use kvtier_bench::target::Target;
-use kvtier_bench::{ColdRecoveryConfig, Gates, Hooks, RunOptions, run_cold_recovery};
-use kvtier_energy::{CostModel, MeterOptions};
-use kvtier_engine::scheduler::BatchConfig;
-use kvtier_engine::tokenizer::TextTokenizer;
-use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
-use kvtier_io::IoEngine;
-
-use crate::device_limit::DeviceLimit;
-use crate::host;
-use crate::size::parse_size;
+use kvtier_bench::main_job::{MainJobOptions, run_main_job};
+use kvtier_bench::size::parse_size;
 
 /// Workloads `kvtier bench` knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -103,165 +81,45 @@ pub struct BenchCmdArgs {
     pub json: bool,
 }
 
+impl BenchCmdArgs {
+    /// The job these flags ask for.
+    pub fn options(&self) -> MainJobOptions {
+        let Workload::ColdRecovery = self.workload;
+        MainJobOptions {
+            model: self.model.clone(),
+            endpoint: self.endpoint.clone(),
+            model_name: self.model_name.clone(),
+            cache_dir: self.cache_dir.clone(),
+            out: self.out.clone(),
+            sessions: self.sessions,
+            shared_tokens: self.shared_tokens,
+            history_tokens: self.history_tokens,
+            question_tokens: self.question_tokens,
+            max_tokens: self.max_tokens,
+            concurrency: self.concurrency.clone(),
+            keep_g2: self.keep_g2,
+            block_tokens: self.block_tokens,
+            g2_bytes: self.g2_bytes,
+            g3_bytes: self.g3_bytes,
+            max_batch: self.max_batch,
+            gates: self.gates.clone(),
+            progress: !self.json,
+        }
+    }
+}
+
 /// Runs `kvtier bench`.
 pub fn run(args: &BenchCmdArgs) -> Result<()> {
-    // Everything a user can get wrong is checked before any work starts.
-    let gates = match &args.gates {
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("cannot read gates file {}", p.display()))?;
-            Gates::from_toml(&text)
-                .map_err(|e| anyhow::anyhow!("gates file {}: {e}", p.display()))?
-        }
-        None => Gates::default(),
-    };
-    let workload = ColdRecoveryConfig {
-        sessions: args.sessions,
-        shared_tokens: args.shared_tokens,
-        history_tokens: args.history_tokens,
-        question_tokens: args.question_tokens,
-        max_tokens: args.max_tokens,
-        concurrency: args.concurrency.clone(),
-        evict_g2: !args.keep_g2,
-        seed: 42,
-    };
-    workload.validate().map_err(anyhow::Error::msg)?;
-    if args.block_tokens == 0 {
-        bail!("--block-tokens must be positive");
-    }
-    let out = args.out.clone().unwrap_or_else(default_out_dir);
-    if args.cache_dir.exists() {
-        std::fs::remove_dir_all(&args.cache_dir)
-            .with_context(|| format!("cannot empty the cache dir {}", args.cache_dir.display()))?;
-    }
-    std::fs::create_dir_all(&args.cache_dir)
-        .with_context(|| format!("cannot create the cache dir {}", args.cache_dir.display()))?;
-    let mut target: Box<dyn Target> = match &args.endpoint {
-        // An unreachable endpoint is an error here, before any work starts.
-        Some(url) => Box::new(Endpoint::new(
-            url,
-            args.model_name.as_deref().unwrap_or(""),
-        )?),
-        None => Box::new(in_process(args)?),
-    };
-
-    // The device limit is measured in the same run, between the runs, on a
-    // file in the cache directory (same device as G3).
-    let io = IoEngine::shared();
-    let direct = kvtier_io::probe_direct(&args.cache_dir).direct;
-    let (mut limit, _) = DeviceLimit::create(
-        &args.cache_dir.join("device-limit.bin"),
-        512 << 20,
-        direct,
-        io,
-    )?;
-    let mut measure = || limit.measure(io).map_err(|e| e.to_string());
-    let mut drop_cache = || {
-        if let Err(e) = host::drop_page_cache() {
-            tracing::debug!("page cache not dropped: {e}");
-        }
-    };
-    let machine = MachineInfo {
-        cpu: host::cpu_model(),
-        cores: host::cpus(),
-        memory_bytes: host::memory_bytes(),
-        ..Default::default()
-    };
-    let run = RunOptions {
-        workload,
-        gates,
-        cost: CostModel::default(),
-        meter: MeterOptions::default(),
-        progress: !args.json,
-    };
-    let hooks = Hooks {
-        device_limit: &mut measure,
-        drop_page_cache: &mut drop_cache,
-    };
-    let report = run_cold_recovery(target.as_mut(), &run, hooks, machine)?;
-    drop(target);
-    let _ = std::fs::remove_file(args.cache_dir.join("device-limit.bin"));
-
-    write_reports(&report, &out)?;
+    let done = run_main_job(&args.options())?;
+    let report = &done.report;
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        println!("{}", serde_json::to_string(report)?);
     } else {
         print!("{}", report.table());
-        println!("\nreport: {}", out.display());
+        println!("\nreport: {}", done.out_dir.display());
     }
     if args.enforce_gates && !report.gates_passed() {
-        bail!("gate(s) failed: {}", failed_gates(&report));
+        bail!("gate(s) failed: {}", report.failed_gates());
     }
     Ok(())
-}
-
-fn failed_gates(report: &kvtier_bench::BenchReport) -> String {
-    report
-        .gates
-        .iter()
-        .filter(|g| !g.passed)
-        .map(|g| g.name.as_str())
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-fn default_out_dir() -> PathBuf {
-    PathBuf::from("bench-results").join(kvtier_bench::report::timestamp_for_path(
-        std::time::SystemTime::now(),
-    ))
-}
-
-fn write_reports(report: &kvtier_bench::BenchReport, out: &Path) -> Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    std::fs::write(
-        out.join("report.json"),
-        serde_json::to_string_pretty(report)?,
-    )?;
-    std::fs::write(out.join("report.md"), report.markdown())?;
-    write_plots(report, out).map_err(|e| anyhow::anyhow!("plots: {e}"))?;
-    Ok(())
-}
-
-/// The in-process engine with its store under the cache dir.
-fn in_process(args: &BenchCmdArgs) -> Result<InProcess> {
-    let model_dir = match &args.model {
-        Some(d) => d.clone(),
-        None => {
-            let d = PathBuf::from("kvtier-cache/models/small");
-            if !d.join("model.safetensors").exists() {
-                if !args.json {
-                    eprintln!("generating the embedded small model in {} ...", d.display());
-                }
-                write_preset(Preset::Small, 0, &d).context("writing the embedded model")?;
-            }
-            d
-        }
-    };
-
-    let max_seq =
-        args.shared_tokens + args.history_tokens + args.question_tokens + args.max_tokens + 256;
-    let per_seq_pages = max_seq.div_ceil(args.block_tokens) + 1;
-    let opts = EngineOptions {
-        block_tokens: args.block_tokens,
-        pool_pages: per_seq_pages * (args.max_batch.max(1) + 2),
-        max_seq_tokens: max_seq.max(2048),
-        prefix_reuse: true,
-        ..Default::default()
-    };
-    let store = StoreOptions {
-        memory_bytes: args.g2_bytes,
-        disk_dirs: vec![args.cache_dir.join("g3")],
-        disk_bytes: args.g3_bytes,
-        remote: None,
-    };
-    let engine = Engine::load(&model_dir, opts, Some(store))
-        .with_context(|| format!("loading the model in {}", model_dir.display()))?;
-    let tokenizer = TextTokenizer::from_dir(&model_dir)?;
-    let batch = BatchConfig {
-        max_batch: args.max_batch.max(1),
-        max_wait: Duration::from_millis(50),
-    };
-    let description = format!("in-process engine, model {}", model_dir.display());
-
-    Ok(InProcess::new(engine, tokenizer, batch, description))
 }

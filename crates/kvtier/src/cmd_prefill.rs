@@ -1,26 +1,16 @@
-//! `kvtier prefill`: compute a prompt's KV on this node and leave it in the
-//! shared G4 pool, where a `kvtier serve` decode node (same model,
-//! `--block-tokens` and `--tenant-salt`) restores it instead of computing
-//! it: prefill and decode split across nodes.
-//!
-//! The prompt is tokenized exactly as the server does: raw text as
-//! `/v1/completions` takes it, or with `--chat` as one user message through
-//! the chat template of `/v1/chat/completions`. Exits once every block was
-//! written to G4 (or the pool failed, which the report shows as fewer
-//! blocks written than computed).
+//! `kvtier prefill`: the flags and the prompt, mapped onto
+//! [`kvtier_server::PrefillOptions`]; the work is [`kvtier_server::prefill()`].
 
 use std::io::Read;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvtier_engine::tokenizer::{ChatMessage, TextTokenizer, render_chat};
-use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions, open_device};
-use serde::Serialize;
+use kvtier_server::PrefillOptions;
+
+use kvtier_bench::size::parse_size;
 
 use crate::remote_flags::RemoteFlags;
-use crate::size::parse_size;
 
 /// Flags of `kvtier prefill`.
 #[derive(Debug, Clone, Args)]
@@ -75,30 +65,6 @@ pub struct PrefillArgs {
     pub json: bool,
 }
 
-/// What `kvtier prefill` did (`--json`).
-#[derive(Debug, Serialize)]
-pub struct PrefillReport {
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
-    /// Prompt tokens computed here.
-    pub computed_tokens: usize,
-    /// Prompt tokens that were already cached (in G4 or locally).
-    pub cached_tokens: usize,
-    /// Full blocks of the prompt (what a decode node can restore: all but
-    /// the one holding the last token).
-    pub blocks: usize,
-    /// Blocks written to G4 by this run.
-    pub g4_blocks_written: u64,
-    /// Bytes written to G4 by this run.
-    pub g4_written_bytes: u64,
-    /// Blocks that could not be written to G4 (pool down or slow).
-    pub g4_dropped_blocks: u64,
-    /// Seconds of the prefill computation.
-    pub prefill_seconds: f64,
-    /// Seconds until every block reached G4.
-    pub total_seconds: f64,
-}
-
 fn read_prompt(args: &PrefillArgs) -> Result<String> {
     match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => Ok(p.clone()),
@@ -120,90 +86,17 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     let Some(remote) = args.remote.config() else {
         bail!("kvtier prefill needs --remote URL (the G4 pool the decode node reads)");
     };
-    let text = read_prompt(args)?;
-    let dir = &args.model;
-    let cfg = ModelConfig::from_dir(dir)
-        .with_context(|| format!("cannot read the model in {}", dir.display()))?;
-    let tokenizer = TextTokenizer::from_dir(dir)?;
-    let text = if args.chat {
-        render_chat(&[ChatMessage {
-            role: "user".into(),
-            content: text,
-        }])
-    } else {
-        text
-    };
-    let tokens = tokenizer
-        .encode(&text)
-        .context("cannot tokenize the prompt")?;
-    if tokens.is_empty() {
-        bail!("the prompt is empty");
-    }
-    let context = cfg.max_position_embeddings;
-    if tokens.len() >= context {
-        bail!(
-            "the prompt has {} tokens; the model's context is {context}",
-            tokens.len()
-        );
-    }
-    let bt = args.block_tokens as usize;
-    let opts = EngineOptions {
-        block_tokens: bt,
-        pool_pages: tokens.len().div_ceil(bt) + 1,
-        max_seq_tokens: tokens.len() + 1,
-        prefix_reuse: true,
-        tenant_salt: args.tenant_salt.clone().into_bytes(),
-        device: open_device(&args.device)?,
-    };
-    let store = StoreOptions {
-        memory_bytes: args.g2_bytes,
-        remote: Some(remote),
-        ..Default::default()
-    };
-    let mut engine = Engine::load(dir, opts, Some(store))
-        .with_context(|| format!("cannot load the model in {}", dir.display()))?;
-    let t0 = Instant::now();
-    let p = engine.prefill(&tokens).context("prefill failed")?;
-    let prefill_seconds = t0.elapsed().as_secs_f64();
-    engine.finish(p.seq);
-    engine
-        .flush_offload()
-        .context("handing the blocks to the store failed")?;
-    let store = engine
-        .store()
-        .context("the engine opened no store")?
-        .clone();
-    store.flush().context("flushing the store failed")?;
-    let total_seconds = t0.elapsed().as_secs_f64();
-    let m = store.metrics();
-    let block_bytes = store.layout().payload_bytes() + kvtier_store::block::HEADER_BYTES as u64;
-    let report = PrefillReport {
-        prompt_tokens: tokens.len(),
-        computed_tokens: p.computed_tokens,
-        cached_tokens: p.cached.total(),
-        blocks: (tokens.len() - 1) / bt,
-        g4_blocks_written: m.g4.written_bytes.get() / block_bytes.max(1),
-        g4_written_bytes: m.g4.written_bytes.get(),
-        g4_dropped_blocks: m.remote.dropped_puts.get(),
-        prefill_seconds,
-        total_seconds,
-    };
-    drop(engine);
+    let mut opts = PrefillOptions::new(&args.model, read_prompt(args)?, remote);
+    opts.chat = args.chat;
+    opts.block_tokens = args.block_tokens as usize;
+    opts.tenant_salt = args.tenant_salt.clone();
+    opts.g2_bytes = args.g2_bytes;
+    opts.device = args.device.clone();
+    let report = kvtier_server::prefill(&opts)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!(
-            "prefilled {} tokens ({} computed, {} cached) in {:.2} s; {} blocks ({} B) \
-             written to G4, {} dropped; done in {:.2} s",
-            report.prompt_tokens,
-            report.computed_tokens,
-            report.cached_tokens,
-            report.prefill_seconds,
-            report.g4_blocks_written,
-            report.g4_written_bytes,
-            report.g4_dropped_blocks,
-            report.total_seconds
-        );
+        println!("{report}");
     }
     if report.g4_dropped_blocks > 0 {
         bail!(

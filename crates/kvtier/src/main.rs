@@ -9,37 +9,22 @@
 //! * `kvtier checkpoint bench`: naive vs kvtier durable checkpoint saves
 //!   against the device's write limit.
 //! * `kvtier model init`: write an embedded default model (tiny, small).
-//! * `kvtier serve`: the OpenAI-compatible HTTP server ([`server`]).
+//! * `kvtier serve`: the OpenAI-compatible HTTP server (`kvtier-server`).
 //! * `kvtier prefill`: compute a prompt's KV and leave it in the G4 pool.
 //!
 //! Errors go to stderr with their causes, and the exit status is non-zero.
 
-mod bench_blocks;
-mod bench_checkpoint;
-mod bench_dirs;
-mod bench_g4;
-mod bench_model;
-mod bench_model_report;
-mod bench_store;
 mod cli;
 mod cli_model;
 mod cmd_bench;
 mod cmd_info;
+mod cmd_model;
 mod cmd_model_init;
-mod cmd_model_load;
-mod cmd_model_synth;
 mod cmd_prefill;
 mod cmd_serve;
-mod device_limit;
-mod host;
-mod load_contenders;
-mod python_contenders;
-mod redis_benchmark;
+mod cmd_store;
+mod print_report;
 mod remote_flags;
-mod report;
-mod server;
-mod size;
-mod slot_layout;
 
 use std::process::ExitCode;
 
@@ -67,12 +52,12 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Bench(args) => cmd_bench::run(&args),
         Command::Info(args) => cmd_info::run(&args),
-        Command::Store(StoreCommand::Bench(args)) => bench_store::run(&args),
+        Command::Store(StoreCommand::Bench(args)) => cmd_store::run(&args),
         Command::Model(ModelCommand::Init(args)) => cmd_model_init::run(&args),
-        Command::Model(ModelCommand::Load(args)) => cmd_model_load::run(&args),
-        Command::Model(ModelCommand::Bench(args)) => bench_model::run(&args),
-        Command::Model(ModelCommand::Synth(args)) => cmd_model_synth::run(&args),
-        Command::Checkpoint(CheckpointCommand::Bench(args)) => bench_checkpoint::run(&args),
+        Command::Model(ModelCommand::Load(args)) => cmd_model::load(&args),
+        Command::Model(ModelCommand::Bench(args)) => cmd_model::bench(&args),
+        Command::Model(ModelCommand::Synth(args)) => cmd_model::synth(&args),
+        Command::Checkpoint(CheckpointCommand::Bench(args)) => cmd_model::checkpoint_bench(&args),
         Command::Serve(args) => cmd_serve::run(&args),
         Command::Prefill(args) => cmd_prefill::run(&args),
     }

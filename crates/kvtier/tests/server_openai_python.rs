@@ -7,12 +7,12 @@
 // Test helpers may unwrap: a failure there is a test failure.
 #![allow(clippy::unwrap_used)]
 
-mod server_support;
+mod serve_process;
 
 use std::path::PathBuf;
 use std::process::Command;
 
-use server_support::Server;
+use serve_process::Server;
 
 fn python() -> Command {
     let mut c = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()));

@@ -5,13 +5,13 @@
 // Test helpers may unwrap: a failure there is a test failure.
 #![allow(clippy::unwrap_used)]
 
-mod server_support;
+mod serve_process;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 
 use serde_json::json;
-use server_support::{STEP, Server, init_model, long_prompt, parse_response, streamed_text};
+use serve_process::{STEP, Server, init_model, long_prompt, parse_response, streamed_text};
 
 #[test]
 fn sigterm_finishes_the_stream_in_flight_and_flushes_the_cache_to_g3() {
@@ -47,7 +47,7 @@ fn sigterm_finishes_the_stream_in_flight_and_flushes_the_cache_to_g3() {
         );
         raw.extend_from_slice(&buf[..n]);
     }
-    s.signal(libc::SIGTERM);
+    s.signal("TERM");
     conn.read_to_end(&mut raw).unwrap();
     let resp = parse_response(&raw);
     let chunks = resp.sse_data();
@@ -90,7 +90,7 @@ fn sigterm_finishes_the_stream_in_flight_and_flushes_the_cache_to_g3() {
         "{metrics}"
     );
     // SIGINT stops it the same way.
-    s2.signal(libc::SIGINT);
+    s2.signal("INT");
     let status = s2.wait();
     assert!(status.success(), "{status:?}; stderr:\n{}", s2.stderr());
 }

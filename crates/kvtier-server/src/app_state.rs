@@ -1,0 +1,87 @@
+//! What every handler shares: the model's name and limits, the tokenizer,
+//! the scheduler, the metrics.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kvtier_engine::scheduler::Scheduler;
+use kvtier_engine::tokenizer::TextTokenizer;
+
+use crate::server_metrics::ServerMetrics;
+
+/// Request limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Longest sequence (prompt + generated) the engine serves.
+    pub context_tokens: usize,
+    /// Longest prompt accepted (below the context).
+    pub max_prompt_tokens: usize,
+}
+
+/// State shared by the handlers.
+#[derive(Debug)]
+pub struct AppState {
+    /// The name clients use in `model`.
+    pub model_name: String,
+    /// Unix seconds the server started.
+    pub created: u64,
+    /// The model's tokenizer.
+    pub tokenizer: Arc<TextTokenizer>,
+    /// The engine's scheduler.
+    pub scheduler: Arc<Scheduler>,
+    /// Request limits.
+    pub limits: Limits,
+    /// Tokens that end a completion (the model's end-of-sequence ids).
+    pub stop_tokens: Vec<u32>,
+    /// Tokens that end a chat reply (the above plus the end-of-turn token).
+    pub chat_stop_tokens: Vec<u32>,
+    /// Metrics.
+    pub metrics: Arc<ServerMetrics>,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    /// Builds the state.
+    pub fn new(
+        model_name: String,
+        tokenizer: Arc<TextTokenizer>,
+        scheduler: Arc<Scheduler>,
+        limits: Limits,
+        stop_tokens: Vec<u32>,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
+        let mut chat_stop_tokens = stop_tokens.clone();
+        for end_of_turn in ["<|im_end|>", "<|eot_id|>", "<|end|>"] {
+            if let Some(id) = tokenizer.token_id(end_of_turn)
+                && !chat_stop_tokens.contains(&id)
+            {
+                chat_stop_tokens.push(id);
+            }
+        }
+        Self {
+            model_name,
+            created: unix_now(),
+            tokenizer,
+            scheduler,
+            limits,
+            stop_tokens,
+            chat_stop_tokens,
+            metrics,
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// A fresh response id with `prefix` (`cmpl`, `chatcmpl`).
+    pub fn response_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:x}{n:08x}", self.created)
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}

@@ -1,0 +1,265 @@
+//! OpenAI API request and response bodies (the subset kvtier serves).
+//!
+//! Requests are parsed leniently: unknown fields are ignored, and fields
+//! whose type varies (`prompt`, `stop`, message `content`) are taken as raw
+//! JSON and checked by [`crate::validate`], so a wrong one gets an error
+//! naming it. Responses carry OpenAI's fields plus an additive `kvtier`
+//! object (cached tokens per tier, TTFT).
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a final chunk with `usage`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Fields shared by completions and chat completions.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonParams {
+    /// Served model name (optional here: missing means the served one).
+    pub model: Option<String>,
+    /// Most tokens to generate.
+    pub max_tokens: Option<i64>,
+    /// Sampling temperature, 0 to 2 (0: greedy). OpenAI's default is 1.
+    pub temperature: Option<f64>,
+    /// Nucleus mass, 0 to 1.
+    pub top_p: Option<f64>,
+    /// Seed for reproducible sampling.
+    pub seed: Option<i64>,
+    /// A stop string or a list of up to 4.
+    pub stop: Option<Value>,
+    /// Stream server-sent events.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Choices to generate (only 1 is served).
+    pub n: Option<i64>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// A string, a list with one string, or a list of token ids.
+    pub prompt: Option<Value>,
+    /// The rest.
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+/// One incoming chat message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessageIn {
+    /// "system", "user", "assistant", ...
+    pub role: String,
+    /// A string, null, or a list of `{"type": "text", "text": ...}` parts.
+    #[serde(default)]
+    pub content: Value,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Option<Vec<ChatMessageIn>>,
+    /// Newer name of `max_tokens`.
+    pub max_completion_tokens: Option<i64>,
+    /// The rest.
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the KV cache (any tier).
+    pub cached_tokens: usize,
+}
+
+/// `usage`.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Both.
+    pub total_tokens: usize,
+    /// Cached prompt tokens.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// Cached prompt tokens by tier.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct TierTokens {
+    /// From G1 (the engine's page pool).
+    pub g1: usize,
+    /// From G2 (host memory).
+    pub g2: usize,
+    /// From G3 (disk).
+    pub g3: usize,
+    /// From G4 (the pool shared by nodes).
+    pub g4: usize,
+}
+
+/// kvtier's additions to a response (the `kvtier` field).
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct KvtierExtras {
+    /// Cached prompt tokens by tier.
+    pub cached_tokens: TierTokens,
+    /// Seconds from the request's arrival at the server to its first token.
+    pub ttft_seconds: f64,
+    /// Seconds from the scheduler's receipt of the request to its first
+    /// token (queueing, prefix restore, suffix prefill).
+    pub engine_ttft_seconds: f64,
+    /// KV bytes restored from the store (G2/G3).
+    pub restored_bytes: u64,
+}
+
+/// One choice of a completion.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    /// Generated text.
+    pub text: String,
+    /// Always 0.
+    pub index: u32,
+    /// Not supported: always null.
+    pub logprobs: Option<()>,
+    /// "stop" or "length" (null in a streamed chunk before the last).
+    pub finish_reason: Option<&'static str>,
+}
+
+/// A completion, or one streamed chunk of it (same object type).
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionResponse {
+    /// `cmpl-...`.
+    pub id: String,
+    /// "text_completion".
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// One choice (none in a usage-only chunk).
+    pub choices: Vec<CompletionChoice>,
+    /// Token counts (absent in streamed chunks but the usage one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// kvtier's additions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kvtier: Option<KvtierExtras>,
+}
+
+/// The assistant's message.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatMessageOut {
+    /// "assistant".
+    pub role: &'static str,
+    /// Its text.
+    pub content: String,
+}
+
+/// One choice of a chat completion.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    /// Always 0.
+    pub index: u32,
+    /// The reply.
+    pub message: ChatMessageOut,
+    /// Not supported: always null.
+    pub logprobs: Option<()>,
+    /// "stop" or "length".
+    pub finish_reason: &'static str,
+}
+
+/// A chat completion.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatResponse {
+    /// `chatcmpl-...`.
+    pub id: String,
+    /// "chat.completion".
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// One choice.
+    pub choices: Vec<ChatChoice>,
+    /// Token counts.
+    pub usage: Usage,
+    /// kvtier's additions.
+    pub kvtier: KvtierExtras,
+}
+
+/// The change a streamed chat chunk carries.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Delta {
+    /// "assistant" in the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of a streamed chat chunk.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunkChoice {
+    /// Always 0.
+    pub index: u32,
+    /// The change.
+    pub delta: Delta,
+    /// Not supported: always null.
+    pub logprobs: Option<()>,
+    /// Set in the last chunk.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// One streamed chat chunk.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunk {
+    /// `chatcmpl-...` (the same in every chunk of a stream).
+    pub id: String,
+    /// "chat.completion.chunk".
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// One choice (none in the usage chunk).
+    pub choices: Vec<ChatChunkChoice>,
+    /// Token counts (only in the usage chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// kvtier's additions (only in the usage chunk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kvtier: Option<KvtierExtras>,
+}
+
+/// One entry of `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    /// The served name.
+    pub id: String,
+    /// "model".
+    pub object: &'static str,
+    /// Unix seconds the server started.
+    pub created: u64,
+    /// "kvtier".
+    pub owned_by: &'static str,
+    /// Longest sequence (prompt + generated) served.
+    pub max_model_len: usize,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    /// "list".
+    pub object: &'static str,
+    /// The one served model.
+    pub data: Vec<ModelCard>,
+}

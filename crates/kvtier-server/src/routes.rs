@@ -1,0 +1,228 @@
+//! The endpoints: `POST /v1/completions`, `POST /v1/chat/completions`,
+//! `GET /v1/models`, `GET /health`, `GET /metrics`, and the router that
+//! ties them together with the body limit, the error fallbacks and the
+//! request counter.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
+use axum::http::header;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::json;
+
+use crate::api_error::{self, ApiError, ApiJson};
+use crate::app_state::{AppState, unix_now};
+use crate::generate::{Finish, Generation};
+use crate::openai::{
+    ChatChoice, ChatMessageOut, ChatRequest, ChatResponse, CompletionChoice, CompletionRequest,
+    CompletionResponse, KvtierExtras, ModelCard, ModelList, Usage,
+};
+use crate::sse_stream::{StreamMeta, stream_response};
+use crate::validate::{self, Api, Plan};
+
+/// `max_tokens` of a completion when the request has none (OpenAI's).
+pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
+
+type Shared = Arc<AppState>;
+
+/// The router with every endpoint; bodies over `max_body_bytes` get 413.
+pub fn router(state: Shared, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{model}", get(model))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(api_error::not_found)
+        .method_not_allowed_fallback(api_error::method_not_allowed)
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .with_state(state)
+}
+
+/// Counts every request by endpoint (the route, or `other`) and status.
+async fn count_requests(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    let endpoint = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "other".to_string(), |p| p.as_str().to_string());
+    let resp = next.run(req).await;
+    state
+        .metrics
+        .count_request(&endpoint, resp.status().as_u16());
+    resp
+}
+
+async fn completions(
+    State(state): State<Shared>,
+    ApiJson(req): ApiJson<CompletionRequest>,
+) -> Response {
+    let arrived = Instant::now();
+    let plan = (|| {
+        validate::check_model(&state, req.common.model.as_deref())?;
+        let prompt = validate::completion_prompt(&state, req.prompt.as_ref())?;
+        validate::plan(
+            &state,
+            Api::Completions,
+            prompt,
+            &req.common,
+            req.common.max_tokens,
+            Some(DEFAULT_COMPLETION_MAX_TOKENS),
+        )
+    })();
+    answer(&state, Api::Completions, plan, arrived, |state, r| {
+        Json(CompletionResponse {
+            id: r.id,
+            object: "text_completion",
+            created: unix_now(),
+            model: state.model_name.clone(),
+            choices: vec![CompletionChoice {
+                text: r.text,
+                index: 0,
+                logprobs: None,
+                finish_reason: Some(r.finish.reason),
+            }],
+            usage: Some(r.usage),
+            kvtier: Some(r.extras),
+        })
+        .into_response()
+    })
+    .await
+}
+
+async fn chat_completions(
+    State(state): State<Shared>,
+    ApiJson(req): ApiJson<ChatRequest>,
+) -> Response {
+    let arrived = Instant::now();
+    let plan = (|| {
+        validate::check_model(&state, req.common.model.as_deref())?;
+        let prompt = validate::chat_prompt(&state, req.messages.as_deref())?;
+        validate::plan(
+            &state,
+            Api::Chat,
+            prompt,
+            &req.common,
+            req.max_completion_tokens.or(req.common.max_tokens),
+            None,
+        )
+    })();
+    answer(&state, Api::Chat, plan, arrived, |state, r| {
+        Json(ChatResponse {
+            id: r.id,
+            object: "chat.completion",
+            created: unix_now(),
+            model: state.model_name.clone(),
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatMessageOut {
+                    role: "assistant",
+                    content: r.text,
+                },
+                logprobs: None,
+                finish_reason: r.finish.reason,
+            }],
+            usage: r.usage,
+            kvtier: r.extras,
+        })
+        .into_response()
+    })
+    .await
+}
+
+/// The whole answer to a request that is not streamed.
+struct Reply {
+    id: String,
+    text: String,
+    finish: Finish,
+    usage: Usage,
+    extras: KvtierExtras,
+}
+
+/// The skeleton both generating endpoints share: a checked request
+/// (`plan`, or the error to answer with) is started; a streamed one becomes
+/// server-sent events of `api`'s chunks, any other is collected and shaped
+/// by `whole`.
+async fn answer(
+    state: &AppState,
+    api: Api,
+    plan: Result<Plan, ApiError>,
+    arrived: Instant,
+    whole: impl FnOnce(&AppState, Reply) -> Response,
+) -> Response {
+    let run = async {
+        let plan = plan?;
+        let (stream, include_usage) = (plan.stream, plan.include_usage);
+        let mut gen_ = Generation::start(state, plan, arrived).await?;
+        let id = state.response_id(api.id_prefix());
+        if stream {
+            let meta = StreamMeta {
+                api,
+                id,
+                created: unix_now(),
+                model: state.model_name.clone(),
+                include_usage,
+            };
+            return Ok(stream_response(gen_, meta));
+        }
+        let (text, finish) = gen_.collect().await?;
+        let reply = Reply {
+            id,
+            text,
+            finish,
+            usage: gen_.usage(finish),
+            extras: gen_.extras(),
+        };
+        Ok::<_, ApiError>(whole(state, reply))
+    };
+    run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+fn card(state: &AppState) -> ModelCard {
+    ModelCard {
+        id: state.model_name.clone(),
+        object: "model",
+        created: state.created,
+        owned_by: "kvtier",
+        max_model_len: state.limits.context_tokens,
+    }
+}
+
+async fn models(State(state): State<Shared>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list",
+        data: vec![card(&state)],
+    })
+}
+
+async fn model(State(state): State<Shared>, Path(name): Path<String>) -> Response {
+    if name == state.model_name {
+        Json(card(&state)).into_response()
+    } else {
+        ApiError::model_not_found(&name, &state.model_name).into_response()
+    }
+}
+
+async fn health(State(state): State<Shared>) -> Json<serde_json::Value> {
+    Json(json!({"status": "ok", "model": state.model_name}))
+}
+
+async fn metrics(State(state): State<Shared>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}

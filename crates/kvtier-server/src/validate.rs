@@ -1,0 +1,288 @@
+//! Checks a request and turns it into what the scheduler needs: every bad
+//! field is a 4xx naming it, before any work is queued.
+
+use kvtier_engine::sampling::SamplingParams;
+use kvtier_engine::tokenizer::ChatMessage;
+use serde_json::Value;
+
+use crate::api_error::ApiError;
+use crate::app_state::AppState;
+use crate::openai::{ChatMessageIn, CommonParams};
+
+/// Most stop strings per request (OpenAI's limit).
+pub const MAX_STOP_STRINGS: usize = 4;
+
+/// A checked request, ready to be generated.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// How to pick tokens.
+    pub sampling: SamplingParams,
+    /// Strings that end generation (not included in the output).
+    pub stop_strings: Vec<String>,
+    /// Token ids that end generation.
+    pub stop_tokens: Vec<u32>,
+    /// Stream server-sent events.
+    pub stream: bool,
+    /// Send a usage chunk at the end of the stream.
+    pub include_usage: bool,
+}
+
+/// Which API the request came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+impl Api {
+    /// The prefix of its response ids (`cmpl-...`, `chatcmpl-...`).
+    pub fn id_prefix(self) -> &'static str {
+        match self {
+            Api::Completions => "cmpl",
+            Api::Chat => "chatcmpl",
+        }
+    }
+}
+
+/// Checks the model name against the served one.
+pub fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != state.model_name => Err(ApiError::model_not_found(m, &state.model_name)),
+        _ => Ok(()),
+    }
+}
+
+/// The prompt of a completion request as token ids.
+pub fn completion_prompt(state: &AppState, prompt: Option<&Value>) -> Result<Vec<u32>, ApiError> {
+    let bad = |m: &str| ApiError::invalid(m, Some("prompt"));
+    let text = match prompt {
+        None | Some(Value::Null) => return Err(bad("`prompt` is required")),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(items)) if items.iter().all(Value::is_string) => match items.as_slice() {
+            [Value::String(s)] => s.clone(),
+            [] => return Err(bad("`prompt` must not be empty")),
+            _ => {
+                return Err(bad(
+                    "a list of several prompts is not supported: send one prompt per request",
+                ));
+            }
+        },
+        Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
+            return items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .filter(|&id| (id as usize) < state.tokenizer.vocab_size())
+                        .map(|id| id as u32)
+                        .ok_or_else(|| {
+                            bad(&format!(
+                                "token id {v} is not in the vocabulary (0 to {})",
+                                state.tokenizer.vocab_size().saturating_sub(1)
+                            ))
+                        })
+                })
+                .collect();
+        }
+        Some(_) => {
+            return Err(bad(
+                "`prompt` must be a string, a list of one string, or a list of token ids",
+            ));
+        }
+    };
+    encode(state, &text, "prompt")
+}
+
+/// The messages of a chat request, rendered with the chat template and
+/// tokenized.
+pub fn chat_prompt(
+    state: &AppState,
+    messages: Option<&[ChatMessageIn]>,
+) -> Result<Vec<u32>, ApiError> {
+    let bad = |m: String| ApiError::invalid(m, Some("messages"));
+    let messages = messages.ok_or_else(|| bad("`messages` is required".into()))?;
+    if messages.is_empty() {
+        return Err(bad("`messages` must not be empty".into()));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        if m.role.is_empty() {
+            return Err(bad(format!("messages[{i}].role must not be empty")));
+        }
+        let content = match &m.content {
+            Value::Null => String::new(),
+            Value::String(s) => s.clone(),
+            Value::Array(parts) => {
+                let mut text = String::new();
+                for part in parts {
+                    match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                        (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                        _ => {
+                            return Err(bad(format!(
+                                "messages[{i}].content: only text parts are supported"
+                            )));
+                        }
+                    }
+                }
+                text
+            }
+            _ => {
+                return Err(bad(format!(
+                    "messages[{i}].content must be a string or a list of text parts"
+                )));
+            }
+        };
+        out.push(ChatMessage {
+            role: m.role.clone(),
+            content,
+        });
+    }
+    let text = kvtier_engine::tokenizer::render_chat(&out);
+    encode(state, &text, "messages")
+}
+
+fn encode(state: &AppState, text: &str, param: &'static str) -> Result<Vec<u32>, ApiError> {
+    state
+        .tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::invalid(format!("cannot tokenize the {param}: {e}"), Some(param)))
+}
+
+/// Checks the shared fields and the prompt's length; builds the plan.
+/// `max_tokens` falls back to `default_max` (the rest of the context when
+/// `None`).
+pub fn plan(
+    state: &AppState,
+    api: Api,
+    prompt: Vec<u32>,
+    p: &CommonParams,
+    max_tokens: Option<i64>,
+    default_max: Option<usize>,
+) -> Result<Plan, ApiError> {
+    let (prompt_param, prompt_name) = match api {
+        Api::Completions => ("prompt", "prompt"),
+        Api::Chat => ("messages", "chat prompt (rendered messages)"),
+    };
+    if let Some(n) = p.n
+        && n != 1
+    {
+        return Err(ApiError::invalid(
+            format!("n = {n} is not supported: only one choice (n = 1) is generated"),
+            Some("n"),
+        ));
+    }
+    let temperature = p.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            format!("temperature {temperature} is out of range: it must be between 0 and 2"),
+            Some("temperature"),
+        ));
+    }
+    let top_p = p.top_p.unwrap_or(1.0);
+    if !(0.0..=1.0).contains(&top_p) {
+        return Err(ApiError::invalid(
+            format!("top_p {top_p} is out of range: it must be between 0 and 1"),
+            Some("top_p"),
+        ));
+    }
+    let stop_strings = stop_strings(p.stop.as_ref())?;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(
+            format!("the {prompt_name} is empty: it must hold at least one token"),
+            Some(prompt_param),
+        ));
+    }
+    let limits = state.limits;
+    if prompt.len() > limits.max_prompt_tokens {
+        return Err(ApiError::invalid(
+            format!(
+                "the {prompt_name} has {} tokens; this server accepts at most {} \
+                 (context length {})",
+                prompt.len(),
+                limits.max_prompt_tokens,
+                limits.context_tokens
+            ),
+            Some(prompt_param),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let room = limits.context_tokens - prompt.len();
+    let max_tokens = match max_tokens {
+        None => default_max.unwrap_or(room).min(room),
+        Some(n) if n < 1 => {
+            return Err(ApiError::invalid(
+                format!("max_tokens {n} is out of range: it must be at least 1"),
+                Some("max_tokens"),
+            ));
+        }
+        Some(n) if n as u64 > limits.context_tokens as u64 => {
+            return Err(ApiError::invalid(
+                format!(
+                    "max_tokens {n} is above the context length ({} tokens)",
+                    limits.context_tokens
+                ),
+                Some("max_tokens"),
+            ));
+        }
+        Some(n) if n as usize > room => {
+            return Err(ApiError::invalid(
+                format!(
+                    "max_tokens {n} does not fit: the context length is {} tokens and the \
+                     {prompt_name} takes {}, leaving {room}",
+                    limits.context_tokens,
+                    prompt.len()
+                ),
+                Some("max_tokens"),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        Some(n) => n as usize,
+    };
+    let stop_tokens = match api {
+        Api::Completions => state.stop_tokens.clone(),
+        Api::Chat => state.chat_stop_tokens.clone(),
+    };
+    let stream = p.stream.unwrap_or(false);
+    Ok(Plan {
+        prompt,
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            seed: p.seed.map(|s| s as u64),
+        },
+        stop_strings,
+        stop_tokens,
+        stream,
+        include_usage: stream && p.stream_options.as_ref().is_some_and(|o| o.include_usage),
+    })
+}
+
+fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let bad = |m: String| ApiError::invalid(m, Some("stop"));
+    let list = match stop {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| bad("`stop` must be a string or a list of strings".into()))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(bad("`stop` must be a string or a list of strings".into())),
+    };
+    if list.len() > MAX_STOP_STRINGS {
+        return Err(bad(format!(
+            "`stop` has {} strings; at most {MAX_STOP_STRINGS} are allowed",
+            list.len()
+        )));
+    }
+    Ok(list.into_iter().filter(|s| !s.is_empty()).collect())
+}

@@ -1,0 +1,418 @@
+//! The OpenAI API over real HTTP on 127.0.0.1: completions and chat,
+//! streamed and not, usage with cached tokens, metrics, models, stop
+//! strings, seeds, greedy determinism.
+
+// Test helpers may unwrap: a failure there is a test failure.
+#![allow(clippy::unwrap_used)]
+
+mod server_support;
+
+use serde_json::{Value, json};
+use server_support::{Server, long_prompt, streamed_text, text_of};
+
+fn complete(s: &Server, body: Value) -> Value {
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+fn chat(s: &Server, body: Value) -> Value {
+    let r = s.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+#[test]
+fn completion_returns_text_and_usage() {
+    let s = Server::start(|_| ());
+    let v = complete(
+        &s,
+        json!({"model": "tiny", "prompt": "Hello, kvtier", "max_tokens": 7, "temperature": 0}),
+    );
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["model"], "tiny");
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert!(v["created"].as_u64().unwrap() > 0);
+    let c = &v["choices"][0];
+    assert_eq!(c["index"], 0);
+    assert!(c["text"].is_string());
+    assert!(
+        c["finish_reason"] == "length" || c["finish_reason"] == "stop",
+        "{v}"
+    );
+    let u = &v["usage"];
+    assert_eq!(u["prompt_tokens"], 13, "one token per byte: {v}");
+    let done = u["completion_tokens"].as_u64().unwrap();
+    assert!((1..=7).contains(&done), "{v}");
+    if c["finish_reason"] == "length" {
+        assert_eq!(done, 7);
+    }
+    assert_eq!(u["total_tokens"].as_u64().unwrap(), 13 + done);
+    assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 0);
+    let k = &v["kvtier"];
+    assert!(k["ttft_seconds"].as_f64().unwrap() > 0.0, "{v}");
+    for tier in ["g1", "g2", "g3"] {
+        assert_eq!(k["cached_tokens"][tier], 0, "{v}");
+    }
+    // A prompt of token ids and a one-element list work too.
+    let ids: Vec<u32> = "Hello, kvtier".bytes().map(u32::from).collect();
+    let by_ids = complete(
+        &s,
+        json!({"model": "tiny", "prompt": ids, "max_tokens": 7, "temperature": 0}),
+    );
+    let by_list = complete(
+        &s,
+        json!({"model": "tiny", "prompt": ["Hello, kvtier"], "max_tokens": 7, "temperature": 0}),
+    );
+    assert_eq!(text_of(&by_ids), text_of(&v));
+    assert_eq!(text_of(&by_list), text_of(&v));
+    // No model field: the served one.
+    let anon = complete(
+        &s,
+        json!({"prompt": "Hello, kvtier", "max_tokens": 7, "temperature": 0}),
+    );
+    assert_eq!(text_of(&anon), text_of(&v));
+}
+
+#[test]
+fn chat_stream_matches_the_non_streamed_reply() {
+    let s = Server::start(|_| ());
+    let messages = json!([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Say something."}]}
+    ]);
+    let whole = chat(
+        &s,
+        json!({"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0}),
+    );
+    assert_eq!(whole["object"], "chat.completion");
+    assert!(whole["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(whole["choices"][0]["message"]["role"], "assistant");
+    let r = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0,
+                "stream": true, "stream_options": {"include_usage": true}}),
+    );
+    let chunks = r.sse_data();
+    assert!(chunks.len() >= 3, "{chunks:?}");
+    let id = chunks[0]["id"].clone();
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk", "{c}");
+        assert_eq!(c["id"], id, "one id per stream");
+    }
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let usage_chunk = chunks.last().unwrap();
+    assert_eq!(usage_chunk["choices"].as_array().unwrap().len(), 0);
+    for field in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(
+            usage_chunk["usage"][field], whole["usage"][field],
+            "{usage_chunk}"
+        );
+    }
+    assert_eq!(
+        usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"], 48,
+        "the second request reuses the first one's full blocks: {usage_chunk}"
+    );
+    assert!(usage_chunk["kvtier"]["ttft_seconds"].as_f64().unwrap() > 0.0);
+    let last = &chunks[chunks.len() - 2];
+    assert_eq!(
+        last["choices"][0]["finish_reason"],
+        whole["choices"][0]["finish_reason"]
+    );
+    for c in &chunks[..chunks.len() - 2] {
+        assert!(c["choices"][0]["finish_reason"].is_null(), "{c}");
+    }
+    assert_eq!(streamed_text(&chunks), text_of(&whole));
+}
+
+#[test]
+fn completion_stream_parses_as_sse() {
+    let s = Server::start(|_| ());
+    let body = json!({"model": "tiny", "prompt": "Stream me", "max_tokens": 12, "temperature": 0});
+    let whole = complete(&s, body.clone());
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let chunks = s.post("/v1/completions", &sbody).sse_data();
+    for c in &chunks {
+        assert_eq!(c["object"], "text_completion", "{c}");
+        assert!(c.get("usage").is_none(), "no usage unless asked: {c}");
+    }
+    let last = chunks.last().unwrap();
+    assert_eq!(
+        last["choices"][0]["finish_reason"],
+        whole["choices"][0]["finish_reason"]
+    );
+    assert_eq!(streamed_text(&chunks), text_of(&whole));
+}
+
+#[test]
+fn repeated_long_prompt_reports_cached_tokens() {
+    let s = Server::start(|_| ());
+    let prompt = long_prompt(200);
+    let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0});
+    let first = complete(&s, body.clone());
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let second = complete(&s, body.clone());
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // 200 tokens in 16-token blocks: 12 full blocks, the last prompt token
+    // always recomputed.
+    assert_eq!(cached, 192, "{second}");
+    assert_eq!(second["kvtier"]["cached_tokens"]["g1"], 192, "{second}");
+    assert_eq!(text_of(&first), text_of(&second), "restored = recomputed");
+
+    // Chat too, streamed, with the usage chunk.
+    let messages = json!([{"role": "user", "content": long_prompt(150)}]);
+    let req = json!({"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0,
+                     "stream": true, "stream_options": {"include_usage": true}});
+    s.post("/v1/chat/completions", &req).sse_data();
+    let chunks = s.post("/v1/chat/completions", &req).sse_data();
+    let usage = &chunks.last().unwrap()["usage"];
+    assert!(
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            >= 144,
+        "{usage}"
+    );
+
+    let metrics = s.get("/metrics").text();
+    let g1_line = metrics
+        .lines()
+        .find(|l| l.starts_with("kvtier_server_cached_prompt_tokens_total{tier=\"g1\"}"))
+        .unwrap();
+    let g1: u64 = g1_line.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(g1 >= 192 + 144, "{g1_line}");
+}
+
+#[test]
+fn metrics_show_ttft_histogram_and_store_series() {
+    let s = Server::start(|_| ());
+    complete(
+        &s,
+        json!({"model": "tiny", "prompt": "measure me", "max_tokens": 5, "temperature": 0}),
+    );
+    let r = s.get("/metrics");
+    assert_eq!(r.status, 200);
+    assert!(
+        r.header("content-type")
+            .is_some_and(|c| c.contains("openmetrics-text") || c.starts_with("text/plain")),
+        "{:?}",
+        r.headers
+    );
+    let text = r.text();
+    for want in [
+        "# TYPE kvtier_server_ttft_seconds histogram",
+        "kvtier_server_ttft_seconds_bucket{le=",
+        "kvtier_server_ttft_seconds_count 1",
+        "kvtier_server_inter_token_seconds_count 4",
+        "kvtier_server_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1",
+        "kvtier_server_prompt_tokens_total 10",
+        "kvtier_server_generated_tokens_total 5",
+        "kvtier_server_cached_prompt_tokens_total{tier=\"g3\"} 0",
+        "kvtier_store_hits_total{tier=\"g2\"}",
+        "kvtier_store_capacity_bytes{tier=\"g3\"}",
+        "kvtier_store_io_mode{tier=\"g3\"",
+    ] {
+        assert!(text.contains(want), "{want} missing from\n{text}");
+    }
+    assert!(text.ends_with("# EOF\n"));
+}
+
+#[test]
+fn models_and_health() {
+    let s = Server::start(|_| ());
+    let v = s.get("/v1/models").json();
+    assert_eq!(v["object"], "list");
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 1);
+    assert_eq!(data[0]["id"], "tiny", "named after the model directory");
+    assert_eq!(data[0]["object"], "model");
+    assert_eq!(data[0]["max_model_len"], 512);
+    assert_eq!(s.get("/v1/models/tiny").json()["id"], "tiny");
+    let h = s.get("/health");
+    assert_eq!(h.status, 200);
+    assert_eq!(h.json()["status"], "ok");
+
+    let named = Server::start(|o| o.model_name = Some("my-model".into()));
+    assert_eq!(named.get("/v1/models").json()["data"][0]["id"], "my-model");
+    let r = named.post(
+        "/v1/completions",
+        &json!({"model": "my-model", "prompt": "hi", "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// A stop string taken from the middle of the unconstrained output, made of
+/// whole characters other than the replacement character.
+fn stop_from(text: &str) -> Option<(String, String)> {
+    let chars: Vec<char> = text.chars().collect();
+    (4..chars.len().saturating_sub(3)).find_map(|i| {
+        let stop: String = chars[i..i + 2].iter().collect();
+        if stop.contains('\u{FFFD}') {
+            return None;
+        }
+        let at = text.find(&stop)?;
+        Some((stop, text[..at].to_string()))
+    })
+}
+
+#[test]
+fn stop_strings_truncate_the_output() {
+    let s = Server::start(|_| ());
+    let body = json!({"model": "tiny", "prompt": "Tell me a long story.", "max_tokens": 60,
+                      "temperature": 0});
+    let free = text_of(&complete(&s, body.clone()));
+    let (stop, want) = stop_from(&free).unwrap_or_else(|| panic!("no usable stop in {free:?}"));
+
+    let mut with_stop = body.clone();
+    with_stop["stop"] = json!([stop.clone(), "never-appears-xyz"]);
+    let v = complete(&s, with_stop.clone());
+    assert_eq!(text_of(&v), want, "stop {stop:?} in {free:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 60);
+
+    with_stop["stream"] = json!(true);
+    let chunks = s.post("/v1/completions", &with_stop).sse_data();
+    assert_eq!(streamed_text(&chunks), want);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+
+    // A single string works too, in chat as well.
+    let cbody = json!({"model": "tiny", "messages": [{"role": "user", "content": "Go on."}],
+                       "max_tokens": 60, "temperature": 0});
+    let cfree = text_of(&chat(&s, cbody.clone()));
+    if let Some((cstop, cwant)) = stop_from(&cfree) {
+        let mut b = cbody.clone();
+        b["stop"] = json!(cstop);
+        let v = chat(&s, b);
+        assert_eq!(text_of(&v), cwant);
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    }
+}
+
+#[test]
+fn seed_makes_sampling_reproducible() {
+    let s = Server::start(|_| ());
+    let body = |seed: u64| {
+        json!({"model": "tiny", "prompt": "Sample with a seed", "max_tokens": 32,
+               "temperature": 1.0, "top_p": 0.95, "seed": seed})
+    };
+    let a = text_of(&complete(&s, body(7)));
+    let b = text_of(&complete(&s, body(7)));
+    let c = text_of(&complete(&s, body(8)));
+    assert_eq!(a, b, "same seed, same text");
+    assert_ne!(a, c, "another seed, other text");
+    let chunks = s
+        .post("/v1/completions", &{
+            let mut v = body(7);
+            v["stream"] = json!(true);
+            v
+        })
+        .sse_data();
+    assert_eq!(streamed_text(&chunks), a, "streaming samples the same");
+}
+
+#[test]
+fn greedy_output_is_identical_across_requests_and_without_prefix_reuse() {
+    let s = Server::start(|_| ());
+    let body = json!({"model": "tiny", "prompt": long_prompt(100), "max_tokens": 40,
+                      "temperature": 0});
+    let a = complete(&s, body.clone());
+    let b = complete(&s, body.clone());
+    assert_eq!(text_of(&a), text_of(&b));
+    assert!(
+        b["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+
+    let off = Server::start(|o| o.prefix_reuse = false);
+    let c = complete(&off, body.clone());
+    let d = complete(&off, body);
+    assert_eq!(text_of(&c), text_of(&a), "recompute = reuse");
+    assert_eq!(d["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+}
+
+#[test]
+fn concurrent_clients_all_get_their_greedy_reply() {
+    let s = Server::start(|o| o.max_batch = 4);
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("client {i}: {}", long_prompt(40 + i)))
+        .collect();
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            text_of(&complete(
+                &s,
+                json!({"model": "tiny", "prompt": p, "max_tokens": 20, "temperature": 0}),
+            ))
+        })
+        .collect();
+    let together: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let s = &s;
+                scope.spawn(move || {
+                    let body = json!({"model": "tiny", "prompt": p, "max_tokens": 20,
+                                      "temperature": 0, "stream": i % 2 == 0});
+                    let r = s.post("/v1/completions", &body);
+                    if i % 2 == 0 {
+                        streamed_text(&r.sse_data())
+                    } else {
+                        assert_eq!(r.status, 200, "{}", r.text());
+                        text_of(&r.json())
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone);
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing from\n{text}"))
+}
+
+#[test]
+fn a_client_that_goes_away_mid_stream_ends_its_sequence() {
+    use std::io::{Read, Write};
+
+    let s = Server::start(|o| o.max_seq_tokens = 8192);
+    let body = json!({"model": "tiny", "prompt": "Go on forever.", "max_tokens": 8000,
+                      "temperature": 0, "stream": true})
+    .to_string();
+    {
+        let mut conn = std::net::TcpStream::connect(&s.addr).unwrap();
+        write!(
+            conn,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut buf = [0u8; 1024];
+        assert!(conn.read(&mut buf).unwrap() > 0);
+    }
+    let t0 = std::time::Instant::now();
+    loop {
+        let m = s.get("/metrics").text();
+        if metric(&m, "kvtier_server_requests_in_flight") == 0.0 {
+            let generated = metric(&m, "kvtier_server_generated_tokens_total");
+            assert!(generated < 8000.0, "the sequence ran on: {generated}");
+            break;
+        }
+        assert!(t0.elapsed().as_secs() < 60, "the stream was never ended");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    s.assert_serves();
+}
