@@ -2,17 +2,17 @@
 //! scheduler, waits for the prefill, then yields text pieces (decoded
 //! incrementally, stop strings applied) and the finish.
 //!
-//! The scheduler reports on a std channel; a blocking task forwards those
-//! events to a tokio channel. Dropping a [`Generation`] (client gone, stop
-//! string matched) closes that chain, and the scheduler ends the sequence at
-//! its next token.
+//! The scheduler sends the request's events straight into a tokio channel
+//! (an [`EventSink`] over its sender; no thread in between). Dropping a
+//! [`Generation`] (client gone, stop string matched) closes the channel, and
+//! the scheduler ends the sequence at its next token.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_engine::CachedTokens;
-use kvtier_engine::scheduler::{GenerateEvent, GenerateRequest};
+use kvtier_engine::scheduler::{EventSink, GenerateEvent, GenerateRequest};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api_error::ApiError;
@@ -75,15 +75,7 @@ impl Generation {
     /// prefill is still an HTTP error). `arrived` is when the HTTP request
     /// came in.
     pub async fn start(state: &AppState, plan: Plan, arrived: Instant) -> Result<Self, ApiError> {
-        let (std_tx, std_rx) = std::sync::mpsc::channel();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        tokio::task::spawn_blocking(move || {
-            while let Ok(ev) = std_rx.recv() {
-                if tx.send(ev).is_err() {
-                    break;
-                }
-            }
-        });
         let Plan {
             prompt,
             max_tokens,
@@ -97,7 +89,7 @@ impl Generation {
             max_tokens,
             sampling,
             stop_tokens,
-            events: std_tx.into(),
+            events: EventSink::new(move |event| tx.send(event).is_ok()),
         });
         if !submitted {
             return Err(ApiError::unavailable(
