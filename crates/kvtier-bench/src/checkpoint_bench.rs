@@ -36,8 +36,8 @@ use kvtier_io::recycle::RecyclingAllocator;
 use kvtier_io::safetensors::TensorInfo;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoEngine, probe_direct};
 
+use crate::bench_error::{BenchError, Result, StepContext, fail};
 use crate::device_limit::{measure_write, random_write_patterns};
-use crate::error::{BenchError, Result, StepContext, fail};
 use crate::fill::{fill_random, random_state};
 use crate::host::{CacheDrops, first_touch_gbps, settle};
 use crate::model_synth::plan_model;

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::error::{Result, StepContext, fail};
+use crate::bench_error::{Result, StepContext, fail};
 use kvtier_io::direct::open_read;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoEngine, IoOp, open_direct};
 

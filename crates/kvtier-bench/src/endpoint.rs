@@ -64,7 +64,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use ureq::Agent;
 
-use crate::error::BenchError;
+use crate::bench_error::BenchError;
 use crate::report::{Mode, RequestRecord};
 use crate::target::Target;
 use crate::workload::Session;

@@ -9,7 +9,7 @@ use kvtier_engine::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Sche
 use kvtier_engine::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, sampling::SamplingParams};
 
-use crate::error::BenchError;
+use crate::bench_error::BenchError;
 use crate::report::{Mode, RequestRecord, TierTokens};
 use crate::target::Target;
 use crate::workload::Session;

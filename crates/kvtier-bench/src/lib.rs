@@ -25,10 +25,10 @@
 //! [`stats`], [`size`], [`fill`], [`progress`], and [`TextReport`], the
 //! table every report prints.
 
+pub mod bench_error;
 pub mod checkpoint_bench;
 pub mod device_limit;
 pub mod endpoint;
-pub mod error;
 pub mod fill;
 pub mod gates;
 pub mod host;
@@ -52,7 +52,7 @@ pub mod target;
 pub mod text_report;
 pub mod workload;
 
-pub use error::BenchError;
+pub use bench_error::BenchError;
 pub use gates::Gates;
 pub use report::{BenchReport, Mode, RunSummary};
 pub use runner::{Hooks, RunOptions, run_cold_recovery};

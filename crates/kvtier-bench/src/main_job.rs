@@ -23,9 +23,9 @@ use kvtier_engine::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
 use kvtier_io::IoEngine;
 
+use crate::bench_error::{BenchError, Result, StepContext, fail};
 use crate::device_limit::DeviceLimit;
 use crate::endpoint::Endpoint;
-use crate::error::{BenchError, Result, StepContext, fail};
 use crate::gates::Gates;
 use crate::host;
 use crate::inproc::InProcess;

@@ -24,7 +24,7 @@ use std::alloc::Layout;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::error::{BenchError, Result, StepContext, fail};
+use crate::bench_error::{BenchError, Result, StepContext, fail};
 use kvtier_io::loader::{LoadStats, LoaderConfig, model_shards};
 use kvtier_io::safetensors::read_header;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, IoEngine, align_up, system_allocator};

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use crate::error::{BenchError, Result, StepContext, fail};
+use crate::bench_error::{BenchError, Result, StepContext, fail};
 use indicatif::ProgressBar;
 use kvtier_io::loader::{LoadStats, LoaderConfig, load_model_dir};
 use kvtier_io::safetensors::read_header;

@@ -12,7 +12,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::error::{Result, StepContext, fail};
+use crate::bench_error::{Result, StepContext, fail};
 use kvtier_io::checkpoint::fsync_dir;
 use kvtier_io::loader::{INDEX_FILE, SINGLE_FILE};
 use kvtier_io::safetensors::{Dtype, TensorInfo, encode_header};

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use crate::error::{Result, StepContext, fail};
+use crate::bench_error::{Result, StepContext, fail};
 
 use crate::host::free_bytes;
 use crate::size::format_size;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvtier_energy::{CostModel, MeterOptions, PowerMeter, best_meter};
 
-use crate::error::BenchError;
+use crate::bench_error::BenchError;
 use crate::gates::Gates;
 use crate::report::{
     BenchReport, MachineInfo, Mode, RequestRecord, RunSummary, TierTokens, ratios,

@@ -21,8 +21,8 @@ use indicatif::ProgressBar;
 use kvtier_io::{IoEngine, system_allocator};
 use kvtier_store::{DiskConfig, DiskTier, StoreMetrics};
 
+use crate::bench_error::{BenchError, Result, StepContext, fail};
 use crate::device_limit::{DeviceLimit, limit_file_bytes};
-use crate::error::{BenchError, Result, StepContext, fail};
 use crate::host::CacheDrops;
 use crate::progress::progress_bar;
 use crate::run_dirs::RunDirs;

@@ -1,7 +1,7 @@
 //! What a benchmark drives: the in-process engine, or an OpenAI-compatible
 //! endpoint.
 
-use crate::error::BenchError;
+use crate::bench_error::BenchError;
 use crate::report::{Mode, RequestRecord};
 use crate::workload::Session;
 

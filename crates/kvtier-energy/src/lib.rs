@@ -16,7 +16,7 @@
 //! modelled ([`MeterKind`]); reports must carry both.
 
 pub mod cost;
-pub mod error;
+pub mod energy_error;
 pub mod meter;
 pub mod nvml;
 pub mod power_model;
@@ -24,7 +24,7 @@ pub mod rapl;
 pub mod select;
 
 pub use cost::{CostBreakdown, CostModel};
-pub use error::EnergyError;
+pub use energy_error::EnergyError;
 pub use meter::{Domain, DomainEnergy, EnergyReading, MeterKind, PowerMeter, Probe};
 pub use nvml::NvmlMeter;
 pub use power_model::{CpuTimes, ModelConstants, ModelMeter};

@@ -28,10 +28,10 @@ use kvtier_store::{
     TieredStore,
 };
 
-use crate::config::ModelConfig;
-use crate::error::EngineError;
+use crate::engine_error::EngineError;
 use crate::kv_pool::{KvPool, PageId};
 use crate::model::{Model, Segment};
+use crate::model_config::ModelConfig;
 use crate::prefix_cache::PrefixCache;
 use crate::weights::Weights;
 

@@ -13,7 +13,7 @@
 
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Storage, Tensor};
 
-use crate::error::EngineError;
+use crate::engine_error::EngineError;
 
 #[cfg(target_endian = "big")]
 compile_error!("kvtier's KV payload is little-endian f32; big-endian hosts are not supported");

@@ -1,7 +1,7 @@
 //! kvtier-engine: a reference inference engine whose KV cache lives in a
 //! paged pool (G1) backed by kvtier's tiered store.
 //!
-//! * [`config`]: `config.json` of Llama / Qwen2 / Mistral models.
+//! * [`model_config`]: `config.json` of Llama / Qwen2 / Mistral models.
 //! * [`weights`]: loading through kvtier-io's parallel loader.
 //! * [`model`], [`attention`], [`rope`]: the forward pass over paged KV.
 //! * [`kv_pool`], [`prefix_cache`]: G1 pages and their prefix index.
@@ -10,12 +10,12 @@
 //!   embedded default models.
 
 pub mod attention;
-pub mod config;
 pub mod device;
 pub mod engine;
-pub mod error;
+pub mod engine_error;
 pub mod kv_pool;
 pub mod model;
+pub mod model_config;
 pub mod prefix_cache;
 pub mod preset;
 pub mod rope;
@@ -24,10 +24,10 @@ pub mod scheduler;
 pub mod tokenizer;
 pub mod weights;
 
-pub use config::ModelConfig;
 #[cfg(feature = "cuda")]
 pub use device::cuda_stream;
 pub use device::open_device;
 pub use engine::{CachedTokens, Engine, EngineOptions, Prefill, SeqId, StoreOptions};
-pub use error::EngineError;
+pub use engine_error::EngineError;
+pub use model_config::ModelConfig;
 pub use preset::{Preset, write_preset};

@@ -9,9 +9,9 @@ use candle_core::{D, DType, Device, Tensor};
 use candle_nn::{Linear, Module};
 
 use crate::attention::paged_attention;
-use crate::config::ModelConfig;
-use crate::error::EngineError;
+use crate::engine_error::EngineError;
 use crate::kv_pool::{KvPool, PageId};
+use crate::model_config::ModelConfig;
 use crate::rope::Rope;
 use crate::weights::Weights;
 

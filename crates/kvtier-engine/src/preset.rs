@@ -22,7 +22,7 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
-use crate::error::EngineError;
+use crate::engine_error::EngineError;
 
 /// Special tokens of the embedded tokenizer, in id order after the 256 bytes.
 pub const SPECIAL_TOKENS: [&str; 4] = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"];
@@ -157,11 +157,12 @@ pub fn write_preset(preset: Preset, seed: u64, dir: &Path) -> Result<u64, Engine
     let cfg_json = preset.config_json(seed);
     let cfg_text =
         serde_json::to_string_pretty(&cfg_json).map_err(|e| EngineError::Weights(e.to_string()))?;
-    let cfg =
-        crate::config::ModelConfig::from_json(&cfg_text).map_err(|msg| EngineError::Config {
+    let cfg = crate::model_config::ModelConfig::from_json(&cfg_text).map_err(|msg| {
+        EngineError::Config {
             path: dir.join("config.json"),
             msg,
-        })?;
+        }
+    })?;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut tensors: Vec<(String, Owned)> = Vec::new();
     let bound = 0.02f32 * 3f32.sqrt();

@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::ModelConfig;
+use crate::model_config::ModelConfig;
 
 /// Precomputed RoPE tables, `(max_positions, head_dim / 2)`.
 #[derive(Debug, Clone)]

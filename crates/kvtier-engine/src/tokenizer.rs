@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use tokenizers::Tokenizer;
 
-use crate::error::EngineError;
+use crate::engine_error::EngineError;
 
 /// A loaded tokenizer.
 #[derive(Debug, Clone)]

@@ -12,7 +12,7 @@ use kvtier_io::loader::{LoadStats, LoaderConfig, load_model_dir};
 use kvtier_io::safetensors::Dtype;
 use kvtier_store::ModelFingerprint;
 
-use crate::error::EngineError;
+use crate::engine_error::EngineError;
 
 /// Named weights waiting to be taken by the model builder.
 #[derive(Debug)]

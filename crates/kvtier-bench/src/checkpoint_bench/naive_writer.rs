@@ -10,7 +10,7 @@ use std::path::Path;
 use kvtier_io::checkpoint::fsync_dir;
 use kvtier_io::safetensors::{Dtype, TensorInfo};
 
-use crate::error::{BenchError, Result, StepContext};
+use crate::bench_error::{BenchError, Result, StepContext};
 
 /// The `safetensors` crate's name of `d`.
 pub fn st_dtype(d: Dtype) -> safetensors::Dtype {

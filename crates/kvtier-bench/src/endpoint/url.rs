@@ -1,6 +1,6 @@
 //! The endpoint's base URL: checked and normalized.
 
-use crate::error::BenchError;
+use crate::bench_error::BenchError;
 
 /// `base_url` without a trailing `/` or `/v1`, checked to be plain HTTP;
 /// also whether its host is a loopback one.

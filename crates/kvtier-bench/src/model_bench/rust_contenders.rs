@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::error::{BenchError, Result, StepContext, fail};
+use crate::bench_error::{BenchError, Result, StepContext, fail};
 use kvtier_io::loader::{LoadStats, LoaderConfig, load_shards};
 use kvtier_io::{HostAllocator, IoEngine};
 use safetensors::SafeTensors;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::mpsc::sync_channel;
 use std::time::Instant;
 
-use crate::error::{BenchError, Result, StepContext, fail};
+use crate::bench_error::{BenchError, Result, StepContext, fail};
 use indicatif::ProgressBar;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
 use kvtier_store::block::encode_block;

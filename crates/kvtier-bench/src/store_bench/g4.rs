@@ -29,7 +29,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::error::{BenchError, Result, StepContext, fail};
+use crate::bench_error::{BenchError, Result, StepContext, fail};
 use indicatif::ProgressBar;
 use kvtier_store::block::HEADER_BYTES;
 use kvtier_store::remote::{Target, parse_target, redact_url};

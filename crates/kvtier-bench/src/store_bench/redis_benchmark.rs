@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::error::{BenchError, Result, StepContext, fail};
+use crate::bench_error::{BenchError, Result, StepContext, fail};
 use kvtier_store::remote::redact_url;
 
 /// How redis-benchmark reaches a `redis://` / `rediss://` node.

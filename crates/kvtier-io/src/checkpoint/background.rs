@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::error::CheckpointError;
+use super::checkpoint_error::CheckpointError;
 use super::options::{CheckpointInfo, SaveOptions, TensorRef};
 use super::shard_layout::{self, Plan};
 use super::writer::{self, Prepared, Source};

@@ -6,8 +6,8 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use super::checkpoint_error::CheckpointError;
 use super::dirs::{DirLock, parse_shard_file_name};
-use super::error::CheckpointError;
 use super::manifest::{self, Manifest};
 use super::options::MANIFEST_TMP;
 

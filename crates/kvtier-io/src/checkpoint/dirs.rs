@@ -6,7 +6,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
-use super::error::CheckpointError;
+use super::checkpoint_error::CheckpointError;
 use super::options::LOCK_FILE;
 
 /// File name of shard `index` (0-based) of `count` in generation `generation`:

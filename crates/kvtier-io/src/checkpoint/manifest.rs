@@ -13,8 +13,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::checkpoint_error::CheckpointError;
 use super::dirs;
-use super::error::CheckpointError;
 use super::options::{MANIFEST_FILE, MANIFEST_TMP};
 use crate::safetensors::Dtype;
 

@@ -90,9 +90,9 @@
 //! crc32c: a flipped byte is [`CheckpointError::Checksum`] naming the tensor.
 
 mod background;
+mod checkpoint_error;
 mod cleanup;
 mod dirs;
-mod error;
 mod manifest;
 mod options;
 mod reader;
@@ -100,9 +100,9 @@ mod shard_layout;
 mod writer;
 
 pub use background::{SaveHandle, save_async};
+pub use checkpoint_error::CheckpointError;
 pub use cleanup::cleanup;
 pub use dirs::{fsync_dir, shard_file_name};
-pub use error::CheckpointError;
 pub use manifest::{
     MANIFEST_FORMAT, MANIFEST_VERSION, Manifest, ShardEntry, TensorEntry, current_generation,
     read_manifest,

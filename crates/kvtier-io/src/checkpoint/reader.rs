@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::error::CheckpointError;
+use super::checkpoint_error::CheckpointError;
 use super::manifest::{self, Manifest, TensorEntry};
 use crate::buffer::{HostAllocator, system_allocator};
 use crate::io_engine::IoEngine;

@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 
-use super::error::CheckpointError;
+use super::checkpoint_error::CheckpointError;
 use super::options::{PAD_PREFIX, SaveOptions, TensorRef};
 use crate::buffer::DIRECT_IO_ALIGN;
 use crate::safetensors::{Dtype, TensorInfo, encode_header};

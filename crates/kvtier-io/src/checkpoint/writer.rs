@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
+use super::checkpoint_error::CheckpointError;
 use super::cleanup::cleanup_locked;
 use super::dirs::{self, DirLock, shard_file_name};
-use super::error::CheckpointError;
 use super::manifest::{self, MANIFEST_FORMAT, MANIFEST_VERSION, Manifest, ShardEntry, TensorEntry};
 use super::options::{CheckpointInfo, MANIFEST_TMP, SaveOptions, TensorRef};
 use super::shard_layout::{self, Chunk, Plan};
@@ -134,7 +134,9 @@ pub(crate) fn commit(
     let abandon = |e: CheckpointError| -> CheckpointError {
         remove_quietly(&paths, dir);
         match e {
-            CheckpointError::Io { op, path, source } if super::error::is_enospc(&source) => {
+            CheckpointError::Io { op, path, source }
+                if super::checkpoint_error::is_enospc(&source) =>
+            {
                 CheckpointError::DiskFull {
                     op,
                     path,

@@ -7,7 +7,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::error::LoadError;
+use super::load_error::LoadError;
 use crate::safetensors::Header;
 
 /// The sharded-model index file name.

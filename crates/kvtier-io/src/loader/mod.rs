@@ -21,11 +21,11 @@
 //! same chunks into a bounded ring of staging buffers and copies each one to
 //! the device while the next reads run.
 
-mod error;
 mod index;
+mod load_error;
 mod prefault;
-mod read;
 mod shard;
+mod shard_read;
 pub mod staged;
 mod window;
 
@@ -36,8 +36,8 @@ use std::time::Instant;
 use crate::buffer::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, system_allocator};
 use crate::io_engine::IoEngine;
 
-pub use error::LoadError;
 pub use index::{INDEX_FILE, SINGLE_FILE, model_shards};
+pub use load_error::LoadError;
 pub use shard::{LoadedShard, TensorView};
 
 /// How the loader reads.
@@ -102,7 +102,7 @@ pub struct LoadStats {
 
 impl LoadStats {
     /// The stats of a load of `opened` begun at `start` on `engine`.
-    pub(crate) fn of(opened: &[read::OpenShard], start: Instant, engine: &IoEngine) -> Self {
+    pub(crate) fn of(opened: &[shard_read::OpenShard], start: Instant, engine: &IoEngine) -> Self {
         Self {
             bytes: opened.iter().map(|s| s.len).sum(),
             seconds: start.elapsed().as_secs_f64(),
@@ -136,16 +136,16 @@ pub fn load_shards(
     let start = Instant::now();
     let opened = paths
         .iter()
-        .map(|p| read::open_shard(p, cfg))
+        .map(|p| shard_read::open_shard(p, cfg))
         .collect::<Result<Vec<_>, _>>()?;
     let mut bufs = Vec::with_capacity(opened.len());
     for shard in &opened {
-        let len = read::shard_len(shard)?;
+        let len = shard_read::shard_len(shard)?;
         bufs.push(AlignedBuf::zeroed_in(alloc, len, DIRECT_IO_ALIGN)?);
     }
-    read::read_shards(&opened, &mut bufs, cfg, engine)?;
+    shard_read::read_shards(&opened, &mut bufs, cfg, engine)?;
     for (shard, buf) in opened.iter().zip(&bufs) {
-        read::verify(shard, buf)?;
+        shard_read::verify(shard, buf)?;
     }
     let stats = LoadStats::of(&opened, start, engine);
     let shards = opened

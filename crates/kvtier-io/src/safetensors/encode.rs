@@ -3,10 +3,10 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 
-use super::error::SafetensorsError;
 use super::header::{TensorInfo, check_layout, sort_by_offset};
 use super::json::METADATA_KEY;
 use super::limits::{ENCODE_PATH, MAX_HEADER_BYTES, PREFIX_BYTES};
+use super::safetensors_error::SafetensorsError;
 
 /// Serialises a header for writing: returns the full prefix, the 8-byte
 /// little-endian length N followed by N bytes of JSON, padded with spaces so

@@ -5,9 +5,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::dtype::Dtype;
-use super::error::SafetensorsError;
 use super::json::{RawHeader, parse_raw};
 use super::limits::{MAX_HEADER_BYTES, PREFIX_BYTES};
+use super::safetensors_error::SafetensorsError;
 
 /// One tensor's entry in a header.
 #[derive(Debug, Clone, PartialEq, Eq)]

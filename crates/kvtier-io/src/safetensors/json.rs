@@ -10,7 +10,7 @@ use std::path::Path;
 use serde::Deserialize;
 use serde::de::{self, MapAccess, Visitor};
 
-use super::error::SafetensorsError;
+use super::safetensors_error::SafetensorsError;
 
 /// The key under which free-form string metadata is stored.
 pub(crate) const METADATA_KEY: &str = "__metadata__";

@@ -15,15 +15,15 @@
 
 mod dtype;
 mod encode;
-mod error;
 mod header;
+mod header_read;
 mod json;
 mod limits;
-mod read;
+mod safetensors_error;
 
 pub use dtype::Dtype;
 pub use encode::encode_header;
-pub use error::SafetensorsError;
 pub use header::{Header, TensorInfo, parse_header};
+pub use header_read::{read_header, read_header_from};
 pub use limits::{ENCODE_PATH, MAX_HEADER_BYTES, PREFIX_BYTES};
-pub use read::{read_header, read_header_from};
+pub use safetensors_error::SafetensorsError;

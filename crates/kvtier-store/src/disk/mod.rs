@@ -36,10 +36,10 @@
 //!
 //! # Files
 //!
-//! `slots` (the slot table: index, free list, pins, CLOCK), `recover`
-//! (the index rebuilt at open), `read` (batched, verified reads), `write`
-//! (batched writes, wipes, sync); this file holds the configuration and
-//! opening.
+//! `slots` (the slot table: index, free list, pins, CLOCK), `recover` (the
+//! index rebuilt at open), `slot_read` (batched, verified reads),
+//! `slot_write` (batched writes, wipes, sync); this file holds the
+//! configuration and opening.
 //!
 //! # Not yet
 //!
@@ -47,10 +47,10 @@
 //! slot: about 1.3 s per million slots at 3 GB/s). A checkpointed index
 //! would make it constant; not needed at the sizes tested here.
 
-mod read;
 mod recover;
+mod slot_read;
+mod slot_write;
 mod slots;
-mod write;
 
 use std::fs::File;
 use std::io;

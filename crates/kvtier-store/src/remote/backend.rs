@@ -11,7 +11,7 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
 
-use super::error::RemoteError;
+use super::remote_error::RemoteError;
 use crate::key::BlockKey;
 use crate::verify::BlockSpec;
 

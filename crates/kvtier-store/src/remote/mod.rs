@@ -24,10 +24,10 @@
 
 mod backend;
 pub mod breaker;
-pub mod config;
-mod error;
 #[cfg(feature = "redis")]
 mod redis_backend;
+pub mod remote_config;
+mod remote_error;
 #[cfg(feature = "redis")]
 mod resp_get;
 #[cfg(feature = "s3")]
@@ -41,8 +41,8 @@ use kvtier_io::{AlignedBuf, HostAllocator};
 
 pub use backend::{Fetched, Landing};
 pub use breaker::{Breaker, BreakerConfig, BreakerState};
-pub use config::{RemoteConfig, S3Options, Target, parse_target, redact_url};
-pub use error::RemoteError;
+pub use remote_config::{RemoteConfig, S3Options, Target, parse_target, redact_url};
+pub use remote_error::RemoteError;
 
 use crate::key::BlockKey;
 use crate::metrics::{RemoteMetrics, TierMetrics};

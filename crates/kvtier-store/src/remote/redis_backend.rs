@@ -23,8 +23,8 @@ use tokio::sync::Mutex;
 
 use super::backend::{Backend, NamedValue};
 use super::backend::{Fetched, Landing};
-use super::config::{RemoteConfig, redact_url};
-use super::error::RemoteError;
+use super::remote_config::{RemoteConfig, redact_url};
+use super::remote_error::RemoteError;
 use super::resp_get::{FastGet, NodeAddr};
 use crate::key::BlockKey;
 

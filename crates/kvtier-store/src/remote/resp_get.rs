@@ -27,7 +27,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
 use super::backend::{Fetched, Landing};
-use super::error::RemoteError;
+use super::remote_error::RemoteError;
 use crate::key::BlockKey;
 
 /// Bytes read at a time while looking for a reply header.

@@ -19,8 +19,8 @@ use object_store::{ClientOptions, ObjectStoreExt, PutPayload, RetryConfig};
 
 use super::backend::{Backend, NamedValue};
 use super::backend::{Fetched, Landing};
-use super::config::S3Options;
-use super::error::RemoteError;
+use super::remote_config::S3Options;
+use super::remote_error::RemoteError;
 use crate::key::BlockKey;
 
 /// An S3 G4 backend.

@@ -13,7 +13,7 @@
 //! * `lookup_prefix` counts the leading keys held in any tier, without
 //!   reading them.
 //! * `read_prefix` reads the leading blocks held in any tier in one pass
-//!   ([`read`]): each key is looked up once, G3 reads and G4 GETs are in
+//!   ([`tier_reads`]): each key is looked up once, G3 reads and G4 GETs are in
 //!   flight together, every block is verified, the walk stops at the first
 //!   miss. `read_prefix_async` runs it on the store's reader threads and
 //!   hands back a [`Handle`]. `get_many` reads any set of keys the same way.
@@ -25,12 +25,12 @@
 //! * Dropping the last handle (or [`TieredStore::close`]) writes every block
 //!   not yet on disk to G3 and syncs it, so a clean stop keeps the cache.
 
-mod error;
 mod pending;
-mod read;
+mod store_error;
+mod tier_reads;
 mod write_back;
 mod write_through;
-mod writer;
+mod writer_thread;
 
 use std::sync::Arc;
 
@@ -49,7 +49,7 @@ use crate::metrics::{StoreMetrics, Tier};
 use crate::remote::{RemoteConfig, RemoteTier};
 use crate::verify::BlockSpec;
 use crate::workers::Workers;
-pub use error::StoreError;
+pub use store_error::StoreError;
 use write_back::{LocalBlock, WriteBack};
 use write_through::WriteThrough;
 

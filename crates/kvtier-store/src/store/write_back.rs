@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use kvtier_io::AlignedBuf;
 
-use super::error::StoreError;
 use super::pending::Pending;
-use super::writer::{WRITE_BATCH, Writer};
+use super::store_error::StoreError;
+use super::writer_thread::{WRITE_BATCH, Writer};
 use crate::disk::{DiskError, DiskTier, PutOutcome};
 use crate::key::BlockKey;
 use crate::memory::MemoryTier;

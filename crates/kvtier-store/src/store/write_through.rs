@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvtier_io::HostAllocator;
 
-use super::error::StoreError;
-use super::writer::Writer;
+use super::store_error::StoreError;
+use super::writer_thread::Writer;
 use crate::metrics::StoreMetrics;
 use crate::remote::{RemoteBlock, RemoteConfig, RemoteTier};
 use crate::verify::BlockSpec;

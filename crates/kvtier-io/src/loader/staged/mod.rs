@@ -39,9 +39,9 @@ use crate::io_engine::IoEngine;
 use crate::io_op::{IoDone, IoOp};
 use crate::safetensors::{Header, TensorInfo};
 
-use super::error::LoadError;
+use super::load_error::LoadError;
 use super::index::{check_index, model_shards};
-use super::read::{self, OpenShard};
+use super::shard_read::{self, OpenShard};
 use super::{LoadStats, LoaderConfig};
 
 #[cfg(feature = "cuda")]
@@ -219,8 +219,8 @@ impl<S: DeviceSink> Ring<S> {
             return;
         };
         let valid = (shard.len - c.offset as u64).min(c.len as u64) as usize;
-        let checked = read::check_read(shard, c.offset, valid, d.result)
-            .and_then(|()| read::check_prefix(shard, c.offset, &buf[..valid]));
+        let checked = shard_read::check_read(shard, c.offset, valid, d.result)
+            .and_then(|()| shard_read::check_prefix(shard, c.offset, &buf[..valid]));
         if let Err(e) = checked {
             self.free.push(buf);
             self.fail(e);
@@ -304,13 +304,13 @@ pub fn load_shards_staged<S: DeviceSink>(
     let start = Instant::now();
     let opened = paths
         .iter()
-        .map(|p| read::open_shard(p, cfg))
+        .map(|p| shard_read::open_shard(p, cfg))
         .collect::<Result<Vec<_>, _>>()?;
     let mut sink = sink;
     let mut memory = Vec::with_capacity(opened.len());
     let mut plan = Vec::new();
     for (i, shard) in opened.iter().enumerate() {
-        let len = read::shard_len(shard)?;
+        let len = shard_read::shard_len(shard)?;
         let mem = sink.allocate(len).map_err(|msg| LoadError::Device {
             device: sink.describe(),
             msg: format!("allocating {len} bytes: {msg}"),
@@ -364,7 +364,7 @@ pub fn load_shards_staged<S: DeviceSink>(
         return Err(e);
     }
     for shard in &opened {
-        read::check_unchanged(shard)?;
+        shard_read::check_unchanged(shard)?;
     }
     let stats = StagedStats {
         load: LoadStats::of(&opened, start, engine),

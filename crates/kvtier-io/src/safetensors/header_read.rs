@@ -6,9 +6,9 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::error::SafetensorsError;
 use super::header::{Header, parse_header};
 use super::limits::{MAX_HEADER_BYTES, PREFIX_BYTES};
+use super::safetensors_error::SafetensorsError;
 
 /// Reads the 8-byte length and the header of the file at `path` (the size
 /// limit and the file length are checked before allocating) and validates

@@ -102,7 +102,7 @@ impl<T, E: Error + Send + Sync + 'static> StepContext<T> for Result<T, E> {
 /// Returns early with [`BenchError::Failed`] and a formatted message.
 macro_rules! fail {
     ($($arg:tt)*) => {
-        return Err($crate::error::BenchError::Failed(format!($($arg)*)))
+        return Err($crate::bench_error::BenchError::Failed(format!($($arg)*)))
     };
 }
 pub(crate) use fail;

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
 
-use super::error::StoreError;
+use super::store_error::StoreError;
 
 /// Largest number of blocks a writer hands to its tier at once.
 pub(super) const WRITE_BATCH: usize = 64;

@@ -22,7 +22,7 @@
 use std::time::Duration;
 
 use super::breaker::BreakerConfig;
-use super::error::RemoteError;
+use super::remote_error::RemoteError;
 
 /// S3 settings that override the environment.
 #[derive(Clone, Default)]

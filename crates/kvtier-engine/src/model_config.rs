@@ -11,7 +11,7 @@ use std::path::Path;
 use kvtier_store::{KvDtype, KvLayout};
 use serde::Deserialize;
 
-use crate::error::EngineError;
+use crate::engine_error::EngineError;
 
 /// Llama 3 RoPE frequency scaling.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -14,7 +14,7 @@ use crate::io_op::IoOp;
 use crate::safetensors::{Header, read_header_from};
 
 use super::LoaderConfig;
-use super::error::LoadError;
+use super::load_error::LoadError;
 use super::prefault;
 use super::window::carve;
 
