@@ -1,14 +1,14 @@
 //! The engine: a model, its G1 page pool, the G1 prefix index, and the
 //! tiered store below it.
 //!
-//! For each prompt: keys of its full blocks -> G1 hits -> one
-//! `read_prefix_async` of the rest from the store ([`Engine::begin`]): the
-//! store's reader threads look each key up once, read G3 and G4 with all
-//! reads in flight and verify every block, while the caller's thread goes
-//! on (the scheduler keeps decoding other sequences) -> once the read is
-//! done ([`Engine::restore_done`]), [`Engine::complete`] copies the blocks
-//! into G1 pages (one copy each) and computes only the uncached suffix, in
-//! page-sized chunks. [`Engine::prefill`] is both at once.
+//! For each prompt: keys of its full blocks -> G1 hits -> one background
+//! read of the rest of the cached prefix from the store
+//! ([`Engine::begin`], in [`crate::prefix_restore`]), while the caller's
+//! thread goes on -> once the read is done ([`Engine::restore_done`]),
+//! [`Engine::attach`] copies the blocks into G1 pages (one copy each) ->
+//! the uncached rest of the prompt is computed a page at a time by
+//! [`Engine::step`], in the same forward passes as the other sequences'
+//! decode tokens. [`Engine::prefill`] does all of it in one call.
 //!
 //! New full pages are exported straight into store block buffers and
 //! offered to the store ([`TieredStore::offer`]), after the step's tokens
@@ -19,20 +19,16 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
-use std::time::Instant;
 
 use candle_core::{DType, Device};
-use kvtier_store::{
-    BlockKey, DiskConfig, Handle, KeyChain, ModelFingerprint, StoreConfig, StoredBlock, Tier,
-    TieredStore,
-};
+use kvtier_store::{BlockKey, DiskConfig, KeyChain, ModelFingerprint, StoreConfig, TieredStore};
 
 use crate::engine_error::EngineError;
 use crate::kv_pool::{KvPool, PageId};
 use crate::model::{Model, Segment};
 use crate::model_config::ModelConfig;
 use crate::prefix_cache::PrefixCache;
+use crate::prefix_restore::Begun;
 use crate::weights::Weights;
 
 /// How to build an [`Engine`].
@@ -119,44 +115,39 @@ pub struct Prefill {
     pub computed_tokens: usize,
 }
 
-#[derive(Debug)]
-struct Seq {
-    tokens: Vec<u32>,
-    table: Vec<PageId>,
-    /// Tokens whose KV is in `table`.
-    computed: usize,
-    /// Keys of the full pages registered so far.
-    keys: Vec<BlockKey>,
-    /// A prefill begun and not completed yet.
-    prefill: Option<Begun>,
+/// What one [`Engine::step`] computed.
+#[derive(Debug, Clone, Default)]
+pub struct Step {
+    /// Next-token logits of each decoding sequence, in order.
+    pub decoded: Vec<Vec<f32>>,
+    /// For each prefilling sequence, in order: the logits of its last prompt
+    /// token once this step computed the prompt's last chunk, else `None`.
+    pub prefilled: Vec<Option<Vec<f32>>>,
 }
 
-/// What [`Engine::begin`] started for a sequence.
 #[derive(Debug)]
-struct Begun {
-    /// When `begin` was called.
-    started: Instant,
-    /// Prompt tokens attached from G1 pages.
-    cached: CachedTokens,
-    /// Keys of the usable blocks past the G1 hits, being read from the store.
-    keys: Vec<BlockKey>,
-    /// The store read of `keys`, if one was needed.
-    read: Option<Handle<Vec<StoredBlock>>>,
-    /// When that read finished (set by its completion callback).
-    read_done: Arc<OnceLock<Instant>>,
+pub(crate) struct Seq {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) table: Vec<PageId>,
+    /// Tokens whose KV is in `table`.
+    pub(crate) computed: usize,
+    /// Keys of the full pages registered so far.
+    pub(crate) keys: Vec<BlockKey>,
+    /// A prefill begun and not attached yet.
+    pub(crate) prefill: Option<Begun>,
 }
 
 /// The inference engine. Single-threaded: the scheduler owns it.
 pub struct Engine {
-    model: Model,
-    pool: KvPool,
-    g1: PrefixCache,
-    keychain: KeyChain,
+    pub(crate) model: Model,
+    pub(crate) pool: KvPool,
+    pub(crate) g1: PrefixCache,
+    pub(crate) keychain: KeyChain,
     fingerprint: ModelFingerprint,
-    store: Option<TieredStore>,
-    opts: EngineOptions,
-    seqs: HashMap<SeqId, Seq>,
-    next_id: SeqId,
+    pub(crate) store: Option<TieredStore>,
+    pub(crate) opts: EngineOptions,
+    pub(crate) seqs: HashMap<SeqId, Seq>,
+    pub(crate) next_id: SeqId,
     /// Full pages registered but not yet copied out to the store.
     pending_offload: Vec<(BlockKey, PageId)>,
 }
@@ -291,7 +282,7 @@ impl Engine {
         }
     }
 
-    fn alloc_page(&mut self) -> Result<PageId, EngineError> {
+    pub(crate) fn alloc_page(&mut self) -> Result<PageId, EngineError> {
         if let Some(p) = self.pool.alloc() {
             return Ok(p);
         }
@@ -322,108 +313,15 @@ impl Engine {
         }
     }
 
-    /// Starts a sequence: restores what it can of the prompt's prefix and
-    /// computes the rest. Returns the last prompt token's logits.
-    /// [`begin`](Self::begin) and [`complete`](Self::complete) in one call,
-    /// waiting for the store read in between.
+    /// Starts a sequence and computes its whole prompt: restores what it
+    /// can of the prompt's prefix (waiting for the store read) and computes
+    /// the rest, a page at a time. Returns the last prompt token's logits.
+    /// [`begin`](Self::begin), [`attach`](Self::attach) and
+    /// [`step`](Self::step)s in one call; the scheduler makes the same calls
+    /// without waiting, between other sequences' steps.
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<Prefill, EngineError> {
         let id = self.begin(prompt, || {})?;
-        self.complete(id)
-    }
-
-    /// Starts a sequence without waiting on the store: checks the prompt,
-    /// attaches the G1 pages of its cached prefix and starts one background
-    /// read of the rest of the prefix from the store. `on_restored` runs
-    /// (on a store thread) once that read is done, or at once when none was
-    /// needed; until then [`restore_done`](Self::restore_done) is false.
-    /// Finish with [`complete`](Self::complete) (or [`finish`](Self::finish)
-    /// to give up).
-    pub fn begin(
-        &mut self,
-        prompt: &[u32],
-        on_restored: impl FnOnce() + Send + 'static,
-    ) -> Result<SeqId, EngineError> {
-        if prompt.is_empty() {
-            return Err(EngineError::Request("empty prompt".into()));
-        }
-        if prompt.len() >= self.model.max_positions() {
-            return Err(EngineError::Request(format!(
-                "prompt of {} tokens leaves no room in the {}-token context",
-                prompt.len(),
-                self.model.max_positions()
-            )));
-        }
-        let id = self.next_id;
-        self.next_id += 1;
-        let started = Instant::now();
-        let mut seq = Seq {
-            tokens: prompt.to_vec(),
-            table: Vec::new(),
-            computed: 0,
-            keys: Vec::new(),
-            prefill: None,
-        };
-        let mut begun = Begun {
-            started,
-            cached: CachedTokens::default(),
-            keys: Vec::new(),
-            read: None,
-            read_done: Arc::new(OnceLock::new()),
-        };
-        let read_done = begun.read_done.clone();
-        let mut notify: Option<Box<dyn FnOnce() + Send>> = Some(Box::new(move || {
-            let _ = read_done.set(Instant::now());
-            on_restored();
-        }));
-        if self.opts.prefix_reuse {
-            // Never the block holding the last prompt token: its logits must
-            // be computed.
-            let bt = self.opts.block_tokens;
-            let usable = (prompt.len() - 1) / bt;
-            let keys = self.keychain.keys(&prompt[..usable * bt]);
-            for key in &keys {
-                let Some(page) = self.g1.get(key) else { break };
-                self.pool.retain(page);
-                self.g1.mark_busy(page);
-                seq.table.push(page);
-                begun.cached.g1 += bt;
-            }
-            seq.keys = keys[..seq.table.len()].to_vec();
-            seq.computed = seq.table.len() * bt;
-            let rest = keys[seq.table.len()..].to_vec();
-            if let Some(store) = &self.store
-                && !rest.is_empty()
-                && let Some(notify) = notify.take()
-            {
-                begun.read = Some(store.read_prefix_async(rest.clone(), notify));
-                begun.keys = rest;
-            }
-        }
-        seq.prefill = Some(begun);
-        self.seqs.insert(id, seq);
-        if let Some(notify) = notify {
-            notify();
-        }
-        Ok(id)
-    }
-
-    /// True once the store read [`begin`](Self::begin) started for `id` is
-    /// done (or none was needed): [`complete`](Self::complete) will not wait
-    /// on the store.
-    pub fn restore_done(&self, id: SeqId) -> bool {
-        self.seqs
-            .get(&id)
-            .and_then(|s| s.prefill.as_ref())
-            .and_then(|b| b.read.as_ref())
-            .is_none_or(Handle::is_done)
-    }
-
-    /// Completes a prefill begun with [`begin`](Self::begin): takes the
-    /// blocks the store read (waiting for it if it is still running) into
-    /// G1 pages and computes the rest of the prompt. On an error the
-    /// sequence is finished.
-    pub fn complete(&mut self, id: SeqId) -> Result<Prefill, EngineError> {
-        match self.complete_inner(id) {
+        match self.prefill_begun(id) {
             Ok(p) => Ok(p),
             Err(e) => {
                 self.finish(id);
@@ -432,105 +330,22 @@ impl Engine {
         }
     }
 
-    fn complete_inner(&mut self, id: SeqId) -> Result<Prefill, EngineError> {
-        let begun = self
-            .seqs
-            .get_mut(&id)
-            .and_then(|s| s.prefill.take())
-            .ok_or_else(|| EngineError::Request(format!("sequence {id} has no prefill begun")))?;
-        let mut cached = begun.cached;
-        let mut restored_bytes = 0;
-        let mut restore_seconds = 0.0;
-        if let Some(read) = begun.read {
-            let blocks = read.wait().unwrap_or_default();
-            // The read's own time (not how long the caller took to come
-            // back for it), plus the copies into G1.
-            let read_done = begun.read_done.get().copied().unwrap_or_else(Instant::now);
-            let t = Instant::now();
-            restored_bytes = self.attach_restored(id, &begun.keys, blocks, &mut cached);
-            restore_seconds =
-                read_done.duration_since(begun.started).as_secs_f64() + t.elapsed().as_secs_f64();
-        }
-        let bt = self.opts.block_tokens;
-        let len = self.seqs.get(&id).map_or(0, |s| s.tokens.len());
-        let mut start = self.seqs.get(&id).map_or(0, |s| s.computed);
-        let computed_tokens = len - start;
-        let mut logits = Vec::new();
-        while start < len {
-            let end = len.min((start / bt + 1) * bt);
-            self.ensure_pages(id, end)?;
-            let seq = self
-                .seqs
-                .get(&id)
-                .ok_or_else(|| EngineError::Request("sequence vanished".into()))?;
-            let seg = Segment {
-                tokens: &seq.tokens[start..end],
-                start,
-                table: &seq.table,
-            };
-            let out = self.model.forward(&self.pool, &[seg])?;
-            if end == len {
-                logits = out.get(0)?.to_vec1::<f32>()?;
+    fn prefill_begun(&mut self, id: SeqId) -> Result<Prefill, EngineError> {
+        let attached = self.attach(id)?;
+        let logits = loop {
+            let step = self.step(&[], &[id])?;
+            if let Some(Some(logits)) = step.prefilled.into_iter().next() {
+                break logits;
             }
-            if let Some(s) = self.seqs.get_mut(&id) {
-                s.computed = end;
-            }
-            start = end;
-        }
-        self.register_full_pages(id)?;
+        };
         Ok(Prefill {
             seq: id,
             logits,
-            cached,
-            restored_bytes,
-            restore_seconds,
-            computed_tokens,
+            cached: attached.cached,
+            restored_bytes: attached.restored_bytes,
+            restore_seconds: attached.restore_seconds,
+            computed_tokens: attached.to_compute,
         })
-    }
-
-    /// Copies the restored `blocks` (the leading blocks of `keys`, as the
-    /// store read them) into fresh G1 pages of `id`, each in one copy, and
-    /// counts them in `cached`; returns the bytes restored. A block that
-    /// does not fit a page, or a full pool, ends the prefix there: the rest
-    /// is recomputed.
-    fn attach_restored(
-        &mut self,
-        id: SeqId,
-        keys: &[BlockKey],
-        blocks: Vec<StoredBlock>,
-        cached: &mut CachedTokens,
-    ) -> u64 {
-        let bt = self.opts.block_tokens;
-        let mut bytes = 0u64;
-        let mut pages = Vec::new();
-        for (key, block) in keys.iter().zip(blocks) {
-            if block.key != *key {
-                break;
-            }
-            let Ok(page) = self.alloc_page() else { break };
-            if let Err(e) = self.pool.import(page, block.payload()) {
-                tracing::warn!("restoring block {key} failed: {e}; recomputing");
-                self.pool.release(page);
-                self.pool.free(page);
-                break;
-            }
-            self.g1.insert(*key, page);
-            pages.push((*key, page));
-            bytes += block.payload().len() as u64;
-            match block.tier {
-                Tier::G2 => cached.g2 += bt,
-                Tier::G3 => cached.g3 += bt,
-                Tier::G4 => cached.g4 += bt,
-            }
-        }
-        if let Some(seq) = self.seqs.get_mut(&id) {
-            for (key, page) in pages {
-                seq.keys.push(key);
-                seq.table.push(page);
-            }
-            seq.computed = seq.table.len() * bt;
-        }
-        bytes
     }
 
     /// Registers newly full pages in G1 and queues them for the store.
@@ -621,14 +436,43 @@ impl Engine {
     /// One decode step for several sequences at once: appends each given
     /// token and returns each sequence's next-token logits.
     pub fn decode(&mut self, steps: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>, EngineError> {
-        // Check every sequence before touching any, so a failure leaves the
-        // whole batch as it was and each sequence can be retried alone.
-        for &(id, _) in steps {
+        Ok(self.step(steps, &[])?.decoded)
+    }
+
+    /// Tokens the next [`step`](Self::step) computes for prefilling `id`:
+    /// the rest of its prompt up to the next page boundary.
+    pub fn prefill_chunk(&self, id: SeqId) -> usize {
+        let bt = self.opts.block_tokens;
+        self.seqs.get(&id).map_or(0, |s| {
+            let end = s.tokens.len().min((s.computed / bt + 1) * bt);
+            end.saturating_sub(s.computed)
+        })
+    }
+
+    /// One forward pass for several sequences at once: the next token of
+    /// each decoding sequence in `decode` (appended to it) and the next
+    /// chunk of the prompt of each prefilling sequence in `prefill` (up to
+    /// the next page boundary: [`prefill_chunk`](Self::prefill_chunk)).
+    ///
+    /// Folding prefill chunks into the decode step is what keeps a restored
+    /// prompt's last tokens from stalling the others: a forward pass reads
+    /// every weight once whatever its rows, so a 1-token suffix computed on
+    /// its own costs a whole step (about one decode step), and in the batch
+    /// it costs one more row.
+    ///
+    /// Every sequence is checked before any is touched, so a failure leaves
+    /// the whole batch as it was and each sequence can be retried alone.
+    pub fn step(
+        &mut self,
+        decode: &[(SeqId, u32)],
+        prefill: &[SeqId],
+    ) -> Result<Step, EngineError> {
+        for &(id, _) in decode {
             let seq = self
                 .seqs
                 .get(&id)
                 .ok_or_else(|| EngineError::Request(format!("unknown sequence {id}")))?;
-            if seq.computed != seq.tokens.len() {
+            if seq.prefill.is_some() || seq.computed != seq.tokens.len() {
                 return Err(EngineError::Request(format!(
                     "sequence {id} is not ready to decode"
                 )));
@@ -639,7 +483,20 @@ impl Engine {
                 )));
             }
         }
-        for (i, &(id, token)) in steps.iter().enumerate() {
+        let mut chunks = Vec::with_capacity(prefill.len());
+        for &id in prefill {
+            let seq = self
+                .seqs
+                .get(&id)
+                .ok_or_else(|| EngineError::Request(format!("unknown sequence {id}")))?;
+            if seq.prefill.is_some() || seq.computed >= seq.tokens.len() {
+                return Err(EngineError::Request(format!(
+                    "sequence {id} has no prompt left to compute"
+                )));
+            }
+            chunks.push((seq.computed, seq.computed + self.prefill_chunk(id)));
+        }
+        for (i, &(id, token)) in decode.iter().enumerate() {
             let pos = match self.seqs.get_mut(&id) {
                 Some(seq) => {
                     seq.tokens.push(token);
@@ -648,39 +505,76 @@ impl Engine {
                 None => continue,
             };
             if let Err(e) = self.ensure_pages(id, pos) {
-                // Undo the tokens appended so far (pages already taken stay
-                // in their tables and serve the next attempt).
-                for &(done, _) in &steps[..=i] {
-                    if let Some(seq) = self.seqs.get_mut(&done) {
-                        seq.tokens.pop();
-                    }
-                }
+                self.undo_decode(&decode[..=i]);
                 return Err(e);
             }
         }
-        let mut segs = Vec::with_capacity(steps.len());
-        for &(id, _) in steps {
+        for (&id, &(_, end)) in prefill.iter().zip(&chunks) {
+            if let Err(e) = self.ensure_pages(id, end) {
+                self.undo_decode(decode);
+                return Err(e);
+            }
+        }
+        let mut segs = Vec::with_capacity(decode.len() + prefill.len());
+        let spans = decode
+            .iter()
+            .map(|&(id, _)| {
+                let pos = self.seqs.get(&id).map_or(0, |s| s.tokens.len() - 1);
+                (id, pos, pos + 1)
+            })
+            .chain(prefill.iter().zip(&chunks).map(|(&id, &(a, b))| (id, a, b)));
+        for (id, start, end) in spans {
             let seq = self
                 .seqs
                 .get(&id)
                 .ok_or_else(|| EngineError::Request(format!("unknown sequence {id}")))?;
-            let pos = seq.tokens.len() - 1;
             segs.push(Segment {
-                tokens: &seq.tokens[pos..],
-                start: pos,
+                tokens: &seq.tokens[start..end],
+                start,
                 table: &seq.table,
             });
         }
-        let logits = self.model.forward(&self.pool, &segs)?;
-        let mut out = Vec::with_capacity(steps.len());
-        for (i, &(id, _)) in steps.iter().enumerate() {
-            out.push(logits.get(i)?.to_vec1::<f32>()?);
+        let logits = match self.model.forward(&self.pool, &segs) {
+            Ok(l) => l,
+            Err(e) => {
+                self.undo_decode(decode);
+                return Err(e);
+            }
+        };
+        let mut out = Step {
+            decoded: Vec::with_capacity(decode.len()),
+            prefilled: Vec::with_capacity(prefill.len()),
+        };
+        for (i, &(id, _)) in decode.iter().enumerate() {
+            out.decoded.push(logits.get(i)?.to_vec1::<f32>()?);
             if let Some(s) = self.seqs.get_mut(&id) {
                 s.computed = s.tokens.len();
             }
             self.register_full_pages(id)?;
         }
+        for (j, (&id, &(_, end))) in prefill.iter().zip(&chunks).enumerate() {
+            let done = self.seqs.get_mut(&id).is_some_and(|s| {
+                s.computed = end;
+                end == s.tokens.len()
+            });
+            out.prefilled.push(if done {
+                Some(logits.get(decode.len() + j)?.to_vec1::<f32>()?)
+            } else {
+                None
+            });
+            self.register_full_pages(id)?;
+        }
         Ok(out)
+    }
+
+    /// Takes back the tokens a failed step appended (pages already taken
+    /// stay in their tables and serve the next attempt).
+    fn undo_decode(&mut self, appended: &[(SeqId, u32)]) {
+        for &(id, _) in appended {
+            if let Some(seq) = self.seqs.get_mut(&id) {
+                seq.tokens.pop();
+            }
+        }
     }
 
     /// Ends a sequence. Its full pages stay in G1 for reuse until reclaimed.
@@ -688,8 +582,8 @@ impl Engine {
         let Some(seq) = self.seqs.remove(&id) else {
             return;
         };
-        if let Some(read) = seq.prefill.and_then(|b| b.read) {
-            read.cancel();
+        if let Some(begun) = seq.prefill {
+            begun.cancel();
         }
         for page in seq.table {
             self.release_page(page);

@@ -5,7 +5,9 @@
 //! * [`weights`]: loading through kvtier-io's parallel loader.
 //! * [`model`], [`attention`], [`rope`]: the forward pass over paged KV.
 //! * [`kv_pool`], [`prefix_cache`]: G1 pages and their prefix index.
-//! * [`engine`]: prefix restore, suffix compute, offload to the store.
+//! * [`engine`]: sequences, the batched step (decode and prefill chunks),
+//!   offload to the store; [`prefix_restore`]: restoring prefixes from the
+//!   store without waiting on it.
 //! * [`tokenizer`], [`sampling`], [`preset`]: text, token choice, and the
 //!   embedded default models.
 
@@ -17,6 +19,7 @@ pub mod kv_pool;
 pub mod model;
 pub mod model_config;
 pub mod prefix_cache;
+pub mod prefix_restore;
 pub mod preset;
 pub mod rope;
 pub mod sampling;
@@ -27,7 +30,8 @@ pub mod weights;
 #[cfg(feature = "cuda")]
 pub use device::cuda_stream;
 pub use device::open_device;
-pub use engine::{CachedTokens, Engine, EngineOptions, Prefill, SeqId, StoreOptions};
+pub use engine::{CachedTokens, Engine, EngineOptions, Prefill, SeqId, Step, StoreOptions};
 pub use engine_error::EngineError;
 pub use model_config::ModelConfig;
+pub use prefix_restore::Attached;
 pub use preset::{Preset, write_preset};

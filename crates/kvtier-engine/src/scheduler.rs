@@ -12,9 +12,16 @@
 //! * **Restores never stall decode**: an admitted request whose prefix is
 //!   being read from the store (G2, G3, G4) waits in its own state while the
 //!   store's reader threads read it ([`Engine::begin`]); the scheduler keeps
-//!   stepping the other sequences and completes the prefill
-//!   ([`Engine::complete`]) at the first step after the read is done. When
-//!   nothing else runs it sleeps until the read wakes it.
+//!   stepping the other sequences, takes the blocks into G1
+//!   ([`Engine::attach`]) at the first step after the read is done, and
+//!   computes the rest of the prompt in the decode steps. When nothing else
+//!   runs it sleeps until the read wakes it.
+//! * **Chunked prefill**: prompt tokens are computed a page at a time in the
+//!   same forward passes as the decode tokens (up to
+//!   `PREFILL_TOKENS_PER_STEP` per step), so a long prompt delays the
+//!   sequences decoding beside it by a chunk per step, not by the whole
+//!   prompt, and a restored prompt's last token costs one more row, not a
+//!   step of its own.
 //!
 //! A request whose receiver is dropped (client gone, stop string matched) is
 //! finished at the next step.
@@ -25,6 +32,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::engine::{CachedTokens, Engine, SeqId};
+use crate::prefix_restore::Attached;
 use crate::sampling::{Sampler, SamplingParams};
 
 /// Batching limits.
@@ -140,14 +148,27 @@ pub enum GenerateEvent {
     Failed(String),
 }
 
+/// An admitted request whose prefix is restored: computing the rest of its
+/// prompt, or generating.
 struct Active {
     seq: SeqId,
     sampler: Sampler,
-    next: u32,
+    phase: Phase,
     generated: usize,
     max_tokens: usize,
     stop: Vec<u32>,
     events: EventSink,
+}
+
+enum Phase {
+    /// Computing the rest of its prompt, a chunk per step.
+    Prefilling {
+        prompt_tokens: usize,
+        arrived: Instant,
+        attached: Attached,
+    },
+    /// Generating; `next` is the token to feed.
+    Decoding { next: u32 },
 }
 
 struct Queued {
@@ -318,12 +339,13 @@ fn run(mut engine: Engine, cfg: BatchConfig, rx: &Receiver<Msg>, wake: &Sender<M
                 q.restoring.push(r);
             }
         }
-        // Prefills whose reads are done join the decoding batch.
+        // Sequences whose reads are done take their blocks into G1 and join
+        // the batch, to compute the rest of their prompts in its steps.
         let mut i = 0;
         while i < q.restoring.len() {
             if engine.restore_done(q.restoring[i].seq) {
-                let r = q.restoring.swap_remove(i);
-                if let Some(a) = complete(&mut engine, r) {
+                let r = q.restoring.remove(i);
+                if let Some(a) = attach(&mut engine, r) {
                     q.active.push(a);
                 }
             } else {
@@ -363,52 +385,60 @@ fn begin(engine: &mut Engine, q: Queued, wake: &Sender<Msg>) -> Option<Restoring
     }
 }
 
-/// Completes a prefill (its read is done) and emits its first token.
-fn complete(engine: &mut Engine, r: Restoring) -> Option<Active> {
+/// Takes a request's restored blocks into G1 (its read is done).
+fn attach(engine: &mut Engine, r: Restoring) -> Option<Active> {
     let Restoring {
         seq,
         mut req,
         arrived,
     } = r;
-    let prefill = match engine.complete(seq) {
-        Ok(p) => p,
+    match engine.attach(seq) {
+        Ok(attached) => Some(Active {
+            seq,
+            sampler: Sampler::new(req.sampling),
+            phase: Phase::Prefilling {
+                prompt_tokens: req.prompt.len(),
+                arrived,
+                attached,
+            },
+            generated: 0,
+            max_tokens: req.max_tokens.max(1),
+            stop: req.stop_tokens,
+            events: req.events,
+        }),
         Err(e) => {
             req.events.send(GenerateEvent::Failed(e.to_string()));
-            return None;
+            None
         }
-    };
-    let mut sampler = Sampler::new(req.sampling);
-    let next = sampler.sample(&prefill.logits);
-    let started = GenerateEvent::Started {
-        prompt_tokens: req.prompt.len(),
-        cached: prefill.cached,
-        ttft_seconds: arrived.elapsed().as_secs_f64(),
-        restored_bytes: prefill.restored_bytes,
-        restore_seconds: prefill.restore_seconds,
-    };
-    if !req.events.send(started) {
-        engine.finish(prefill.seq);
-        return None;
     }
-    let mut a = Active {
-        seq: prefill.seq,
-        sampler,
-        next,
-        generated: 0,
-        max_tokens: req.max_tokens.max(1),
-        stop: req.stop_tokens,
-        events: req.events,
-    };
-    if emit(&mut a) {
-        engine.finish(a.seq);
-        return None;
-    }
-    Some(a)
 }
 
-/// Emits `a.next`; returns true when the request is done (and was told so).
-fn emit(a: &mut Active) -> bool {
-    if a.stop.contains(&a.next) {
+/// A sequence's whole prompt is computed: sends `Started`, samples the
+/// first token and emits it. Returns true when the request is done.
+fn started(a: &mut Active, logits: &[f32]) -> bool {
+    let Phase::Prefilling {
+        prompt_tokens,
+        arrived,
+        attached,
+    } = a.phase
+    else {
+        return false;
+    };
+    let next = a.sampler.sample(logits);
+    a.phase = Phase::Decoding { next };
+    let event = GenerateEvent::Started {
+        prompt_tokens,
+        cached: attached.cached,
+        ttft_seconds: arrived.elapsed().as_secs_f64(),
+        restored_bytes: attached.restored_bytes,
+        restore_seconds: attached.restore_seconds,
+    };
+    !a.events.send(event) || emit(a, next)
+}
+
+/// Emits `next`; returns true when the request is done (and was told so).
+fn emit(a: &mut Active, next: u32) -> bool {
+    if a.stop.contains(&next) {
         a.events.send(GenerateEvent::Finished {
             reason: FinishReason::Stop,
             completion_tokens: a.generated,
@@ -416,7 +446,7 @@ fn emit(a: &mut Active) -> bool {
         return true;
     }
     a.generated += 1;
-    if !a.events.send(GenerateEvent::Token(a.next)) {
+    if !a.events.send(GenerateEvent::Token(next)) {
         return true;
     }
     if a.generated >= a.max_tokens {
@@ -429,52 +459,106 @@ fn emit(a: &mut Active) -> bool {
     false
 }
 
+/// Prompt tokens computed per step, in all, beside the decode tokens: the
+/// prefilling sequences (first come, first served) get their next chunks
+/// while they fit, and the first always gets one. A step with a full page
+/// of prefill costs about what computing it alone would; decoders wait for
+/// at most that, never for a whole long prompt.
+const PREFILL_TOKENS_PER_STEP: usize = 256;
+
+/// One batched step: the next token of every decoding sequence and the
+/// next prompt chunk of the prefilling ones ([`Engine::step`]).
 fn step(engine: &mut Engine, active: &mut Vec<Active>) {
-    let steps: Vec<(SeqId, u32)> = active.iter().map(|a| (a.seq, a.next)).collect();
-    match engine.decode(&steps) {
-        Ok(logits) => {
-            let mut done = Vec::new();
-            for (i, (a, l)) in active.iter_mut().zip(logits).enumerate() {
-                a.next = a.sampler.sample(&l);
-                if emit(a) {
+    let mut decode = Vec::new();
+    let mut prefill = Vec::new();
+    let mut budget = 0;
+    for (i, a) in active.iter().enumerate() {
+        match a.phase {
+            Phase::Decoding { next } => decode.push((i, (a.seq, next))),
+            Phase::Prefilling { .. } => {
+                let chunk = engine.prefill_chunk(a.seq);
+                if prefill.is_empty() || budget + chunk <= PREFILL_TOKENS_PER_STEP {
+                    budget += chunk;
+                    prefill.push((i, a.seq));
+                }
+            }
+        }
+    }
+    let decode_ids: Vec<(SeqId, u32)> = decode.iter().map(|&(_, d)| d).collect();
+    let prefill_ids: Vec<SeqId> = prefill.iter().map(|&(_, id)| id).collect();
+    let mut done = Vec::new();
+    match engine.step(&decode_ids, &prefill_ids) {
+        Ok(out) => {
+            for (&(i, _), logits) in decode.iter().zip(&out.decoded) {
+                let a = &mut active[i];
+                let next = a.sampler.sample(logits);
+                a.phase = Phase::Decoding { next };
+                if emit(a, next) {
                     done.push(i);
                 }
             }
-            for i in done.into_iter().rev() {
-                let a = active.swap_remove(i);
-                engine.finish(a.seq);
+            for (&(i, _), logits) in prefill.iter().zip(&out.prefilled) {
+                if let Some(logits) = logits
+                    && started(&mut active[i], logits)
+                {
+                    done.push(i);
+                }
             }
         }
         Err(e) => {
             // A batch failure (context limit of one sequence, pool full):
             // retry each sequence alone so one bad apple ends only itself.
             let msg = e.to_string();
-            let mut keep = Vec::new();
-            for mut a in active.drain(..) {
-                match engine.decode(&[(a.seq, a.next)]) {
-                    Ok(l) => {
-                        a.next = a.sampler.sample(&l[0]);
-                        if emit(&mut a) {
-                            engine.finish(a.seq);
-                        } else {
-                            keep.push(a);
-                        }
-                    }
-                    Err(e1) => {
-                        let reason = if e1.to_string().contains("context limit") {
-                            GenerateEvent::Finished {
-                                reason: FinishReason::Length,
-                                completion_tokens: a.generated,
-                            }
-                        } else {
-                            GenerateEvent::Failed(format!("{e1} (batch: {msg})"))
-                        };
-                        a.events.send(reason);
-                        engine.finish(a.seq);
-                    }
+            let batch = decode
+                .iter()
+                .map(|&(i, _)| i)
+                .chain(prefill.iter().map(|&(i, _)| i));
+            for i in batch.collect::<Vec<_>>() {
+                if retry_alone(engine, &mut active[i], &msg) {
+                    done.push(i);
                 }
             }
-            *active = keep;
+        }
+    }
+    done.sort_unstable();
+    for i in done.into_iter().rev() {
+        let a = active.remove(i);
+        engine.finish(a.seq);
+    }
+}
+
+/// Steps one sequence alone after its batch failed; returns true when the
+/// request is done (finished, or failed and told so).
+fn retry_alone(engine: &mut Engine, a: &mut Active, batch_error: &str) -> bool {
+    let result = match a.phase {
+        Phase::Decoding { next } => engine
+            .step(&[(a.seq, next)], &[])
+            .map(|mut s| s.decoded.pop()),
+        Phase::Prefilling { .. } => engine
+            .step(&[], &[a.seq])
+            .map(|mut s| s.prefilled.pop().flatten()),
+    };
+    match (result, &a.phase) {
+        (Ok(Some(logits)), Phase::Decoding { .. }) => {
+            let next = a.sampler.sample(&logits);
+            a.phase = Phase::Decoding { next };
+            emit(a, next)
+        }
+        (Ok(Some(logits)), Phase::Prefilling { .. }) => started(a, &logits),
+        (Ok(None), _) => false,
+        (Err(e), phase) => {
+            let event = if matches!(phase, Phase::Decoding { .. })
+                && e.to_string().contains("context limit")
+            {
+                GenerateEvent::Finished {
+                    reason: FinishReason::Length,
+                    completion_tokens: a.generated,
+                }
+            } else {
+                GenerateEvent::Failed(format!("{e} (batch: {batch_error})"))
+            };
+            a.events.send(event);
+            true
         }
     }
 }

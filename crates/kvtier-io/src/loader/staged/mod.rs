@@ -39,8 +39,8 @@ use crate::io_engine::IoEngine;
 use crate::io_op::{IoDone, IoOp};
 use crate::safetensors::{Header, TensorInfo};
 
-use super::load_error::LoadError;
 use super::index::{check_index, model_shards};
+use super::load_error::LoadError;
 use super::shard_read::{self, OpenShard};
 use super::{LoadStats, LoaderConfig};
 
