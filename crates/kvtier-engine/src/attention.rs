@@ -1,11 +1,13 @@
 //! Paged attention: queries of one sequence against the K/V pages of its
-//! block table, one matmul per page (no gather copy of the whole context).
+//! block table, read as one K and one V tensor per layer
+//! ([`KvPool::context`]: a view of the pool when the pages are consecutive)
+//! so the scores and the output are one matmul each.
 //!
 //! Grouped-query attention: query head `i` reads KV head `i / groups`, so the
 //! queries are viewed as `(kv_heads, groups * t, head_dim)` and every page's
 //! K and V `(kv_heads, block_tokens, head_dim)` serve as batched operands.
 
-use candle_core::{D, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use crate::kv_pool::{KvPool, PageId};
 
@@ -44,36 +46,107 @@ pub fn paged_attention(
     let pages = &table[..used.min(table.len())];
     let scale = 1.0 / (hd as f64).sqrt();
     let q = (q.reshape((kv_heads, groups * t, hd))? * scale)?;
-
-    let mut scores = Vec::with_capacity(pages.len());
-    for &p in pages {
-        let k = pool.page_k(layer, p)?;
-        scores.push(q.matmul(&k.t()?)?);
+    if pages.is_empty() {
+        return Tensor::zeros((heads, t, hd), q.dtype(), q.device());
     }
-    let scores = if scores.len() == 1 {
-        scores.remove(0)
-    } else {
-        Tensor::cat(&scores, 2)?
-    };
     let keys = pages.len() * bt;
+    let k = pool.context(layer, pages, false)?;
+    let scores = q.matmul(&k.t()?)?;
     let mask = causal_mask(start, t, keys, q.device())?;
     let scores = scores
         .reshape((kv_heads, groups, t, keys))?
         .broadcast_add(&mask)?;
     let weights =
         candle_nn::ops::softmax_last_dim(&scores)?.reshape((kv_heads, groups * t, keys))?;
+    let v = pool.context(layer, pages, true)?;
+    weights.matmul(&v)?.reshape((heads, t, hd))
+}
 
-    let mut out: Option<Tensor> = None;
-    for (i, &p) in pages.iter().enumerate() {
-        let w = weights.narrow(D::Minus1, i * bt, bt)?.contiguous()?;
-        let part = w.matmul(&pool.page_v(layer, p)?)?;
-        out = Some(match out {
-            None => part,
-            Some(acc) => (acc + part)?,
-        });
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Attention computed the plain way: every key of the context, one
+    /// query at a time, from the K/V written into the pool.
+    fn reference(
+        k: &[Vec<f32>],
+        v: &[Vec<f32>],
+        q: &[Vec<f32>],
+        start: usize,
+        hd: usize,
+    ) -> Vec<Vec<f32>> {
+        q.iter()
+            .enumerate()
+            .map(|(i, q)| {
+                let n = start + i + 1;
+                let s: Vec<f32> = (0..n)
+                    .map(|j| {
+                        q.iter().zip(&k[j]).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f32 = e.iter().sum();
+                (0..hd)
+                    .map(|d| (0..n).map(|j| e[j] / z * v[j][d]).sum())
+                    .collect()
+            })
+            .collect()
     }
-    match out {
-        Some(o) => o.reshape((heads, t, hd)),
-        None => Tensor::zeros((heads, t, hd), q.dtype(), q.device()),
+
+    #[test]
+    fn paged_attention_equals_the_plain_attention_over_any_table() {
+        // A sequence of 13 tokens on pages 5, 1, 6, 2 (not in order: joined
+        // by a copy) and on 2, 3, 4, 5 (consecutive: one view).
+        for table in [vec![5, 1, 6, 2], vec![2, 3, 4, 5]] {
+            check_against_reference(&table);
+        }
+    }
+
+    fn check_against_reference(table: &[PageId]) {
+        let dev = Device::Cpu;
+        let (kvh, groups, hd, bt) = (2usize, 2usize, 8usize, 4usize);
+        let pool = KvPool::new(1, kvh, hd, bt, 8, &dev).unwrap();
+        let len = 13;
+        let val = |h: usize, j: usize, d: usize, w: f32| ((h * 31 + j * 7 + d) as f32 * w).sin();
+        let kv = |w: f32| {
+            let data: Vec<f32> = (0..kvh)
+                .flat_map(|h| (0..len).flat_map(move |j| (0..hd).map(move |d| val(h, j, d, w))))
+                .collect();
+            Tensor::from_vec(data, (kvh, len, hd), &dev).unwrap()
+        };
+        pool.write(0, table, 0, &kv(0.37), &kv(0.11)).unwrap();
+        for (start, t) in [(12, 1), (9, 4), (0, 13)] {
+            let heads = kvh * groups;
+            let qd: Vec<f32> = (0..heads * t * hd)
+                .map(|x| ((x * 13) as f32 * 0.05).cos())
+                .collect();
+            let q = Tensor::from_vec(qd.clone(), (heads, t, hd), &dev).unwrap();
+            let got = paged_attention(&pool, 0, table, &q, start, kvh).unwrap();
+            let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
+            for qh in 0..heads {
+                let h = qh / groups;
+                let keys: Vec<Vec<f32>> = (0..len)
+                    .map(|j| (0..hd).map(|d| val(h, j, d, 0.37)).collect())
+                    .collect();
+                let vals: Vec<Vec<f32>> = (0..len)
+                    .map(|j| (0..hd).map(|d| val(h, j, d, 0.11)).collect())
+                    .collect();
+                let qs: Vec<Vec<f32>> = (0..t)
+                    .map(|i| qd[(qh * t + i) * hd..(qh * t + i + 1) * hd].to_vec())
+                    .collect();
+                let want = reference(&keys, &vals, &qs, start, hd);
+                for i in 0..t {
+                    for d in 0..hd {
+                        let g = got[(qh * t + i) * hd + d];
+                        assert!(
+                            (g - want[i][d]).abs() < 1e-5,
+                            "head {qh} query {i} dim {d}: {g} vs {}",
+                            want[i][d]
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -3,8 +3,11 @@
 //! (the store's reader threads look each key up once, read G3 and G4 with
 //! all reads in flight and verify every block, while the caller's thread
 //! goes on); [`Engine::attach`] takes the blocks read into G1 pages, one copy
-//! each. The rest of the prompt is computed by [`Engine::step`].
+//! each, all at once or ([`Engine::attach_some`]) a few megabytes at a time
+//! between the scheduler's steps. The rest of the prompt is computed by
+//! [`Engine::step`].
 
+use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
@@ -26,6 +29,12 @@ pub(crate) struct Begun {
     read: Option<Handle<Vec<StoredBlock>>>,
     /// When that read finished (set by its completion callback).
     read_done: Arc<OnceLock<Instant>>,
+    /// The blocks read and not yet copied into G1, once the read is done.
+    blocks: Option<VecDeque<StoredBlock>>,
+    /// Seconds the read took (from `begin` to its completion).
+    read_seconds: f64,
+    /// What was copied into G1 so far.
+    attached: Attached,
 }
 
 impl Begun {
@@ -90,6 +99,9 @@ impl Engine {
             keys: Vec::new(),
             read: None,
             read_done: Arc::new(OnceLock::new()),
+            blocks: None,
+            read_seconds: 0.0,
+            attached: Attached::default(),
         };
         let read_done = begun.read_done.clone();
         let mut notify: Option<Box<dyn FnOnce() + Send>> = Some(Box::new(move || {
@@ -145,79 +157,120 @@ impl Engine {
     /// [`step`](Self::step)s ([`Attached::to_compute`] tokens, at least the
     /// last one). On an error the sequence is finished.
     pub fn attach(&mut self, id: SeqId) -> Result<Attached, EngineError> {
-        let Some(begun) = self.seqs.get_mut(&id).and_then(|s| s.prefill.take()) else {
+        let mut unlimited = u64::MAX;
+        self.attach_some(id, &mut unlimited)?
+            .ok_or_else(|| EngineError::Request(format!("sequence {id}: restore unfinished")))
+    }
+
+    /// [`attach`](Self::attach), a few blocks at a time: copies restored
+    /// blocks while `budget` (bytes) lasts, at least one when it is not
+    /// zero, and takes what it copied off the budget. `Some` once every
+    /// block is in G1. The scheduler spreads a long prefix's copies over its
+    /// steps this way (a 4,096-token prefix of the `small` preset is 64 MiB:
+    /// about 30 ms of copying on the reference VM, in one go).
+    pub fn attach_some(
+        &mut self,
+        id: SeqId,
+        budget: &mut u64,
+    ) -> Result<Option<Attached>, EngineError> {
+        let Some(begun) = self.seqs.get_mut(&id).and_then(|s| s.prefill.as_mut()) else {
             self.finish(id);
             return Err(EngineError::Request(format!(
                 "sequence {id} has no prefill begun"
             )));
         };
-        let mut cached = begun.cached;
-        let mut restored_bytes = 0;
-        let mut restore_seconds = 0.0;
-        if let Some(read) = begun.read {
-            let blocks = read.wait().unwrap_or_default();
-            // The read's own time (not how long the caller took to come
-            // back for it), plus the copies into G1.
-            let read_done = begun.read_done.get().copied().unwrap_or_else(Instant::now);
-            let t = Instant::now();
-            restored_bytes = self.attach_restored(id, &begun.keys, blocks, &mut cached);
-            restore_seconds =
-                read_done.duration_since(begun.started).as_secs_f64() + t.elapsed().as_secs_f64();
+        if begun.blocks.is_none() {
+            begun.attached.cached = begun.cached;
+            let blocks = match begun.read.take() {
+                Some(read) => {
+                    let blocks = read.wait().unwrap_or_default();
+                    // The read's own time, not how long the caller took to
+                    // come back for it.
+                    let done = begun.read_done.get().copied().unwrap_or_else(Instant::now);
+                    begun.read_seconds = done.duration_since(begun.started).as_secs_f64();
+                    blocks
+                }
+                None => Vec::new(),
+            };
+            begun.blocks = Some(blocks.into());
         }
-        let to_compute = self
-            .seqs
-            .get(&id)
-            .map_or(0, |s| s.tokens.len() - s.computed);
-        Ok(Attached {
-            cached,
-            restored_bytes,
-            restore_seconds,
-            to_compute,
-        })
+        let t = Instant::now();
+        while *budget > 0 {
+            let Some(begun) = self.seqs.get_mut(&id).and_then(|s| s.prefill.as_mut()) else {
+                break;
+            };
+            let next = begun.blocks.as_mut().and_then(VecDeque::pop_front);
+            let Some(block) = next else { break };
+            let bytes = block.payload().len() as u64;
+            if !self.attach_block(id, block) {
+                // The rest of the prefix is recomputed.
+                if let Some(b) = self.seqs.get_mut(&id).and_then(|s| s.prefill.as_mut()) {
+                    b.blocks = Some(VecDeque::new());
+                }
+                break;
+            }
+            *budget = budget.saturating_sub(bytes);
+        }
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Ok(None);
+        };
+        let to_compute = seq.tokens.len() - seq.computed;
+        let Some(begun) = seq.prefill.as_mut() else {
+            return Ok(None);
+        };
+        begun.attached.restore_seconds += t.elapsed().as_secs_f64();
+        if begun.blocks.as_ref().is_some_and(|b| !b.is_empty()) {
+            return Ok(None);
+        }
+        let mut attached = begun.attached;
+        attached.restore_seconds += begun.read_seconds;
+        attached.to_compute = to_compute;
+        seq.prefill = None;
+        Ok(Some(attached))
     }
 
-    /// Copies the restored `blocks` (the leading blocks of `keys`, as the
-    /// store read them) into fresh G1 pages of `id`, each in one copy, and
-    /// counts them in `cached`; returns the bytes restored. A block that
-    /// does not fit a page, or a full pool, ends the prefix there: the rest
-    /// is recomputed.
-    fn attach_restored(
-        &mut self,
-        id: SeqId,
-        keys: &[BlockKey],
-        blocks: Vec<StoredBlock>,
-        cached: &mut CachedTokens,
-    ) -> u64 {
+    /// Copies one restored block, the next of the prefix, into a fresh G1
+    /// page of `id` and counts it; false when it cannot (another key than
+    /// the next one, a block that does not fit a page, a full pool): the
+    /// prefix ends there.
+    fn attach_block(&mut self, id: SeqId, block: StoredBlock) -> bool {
         let bt = self.opts.block_tokens;
-        let mut bytes = 0u64;
-        let mut pages = Vec::new();
-        for (key, block) in keys.iter().zip(blocks) {
-            if block.key != *key {
-                break;
-            }
-            let Ok(page) = self.alloc_page() else { break };
-            if let Err(e) = self.pool.import(page, block.payload()) {
-                tracing::warn!("restoring block {key} failed: {e}; recomputing");
-                self.pool.release(page);
-                self.pool.free(page);
-                break;
-            }
-            self.g1.insert(*key, page);
-            pages.push((*key, page));
-            bytes += block.payload().len() as u64;
+        let Some(seq) = self.seqs.get(&id) else {
+            return false;
+        };
+        let Some(begun) = seq.prefill.as_ref() else {
+            return false;
+        };
+        let index = seq.keys.len() - begun.cached.g1 / bt;
+        if begun.keys.get(index) != Some(&block.key) {
+            return false;
+        }
+        let key = block.key;
+        let Ok(page) = self.alloc_page() else {
+            return false;
+        };
+        if let Err(e) = self.pool.import(page, block.payload()) {
+            tracing::warn!("restoring block {key} failed: {e}; recomputing");
+            self.pool.release(page);
+            self.pool.free(page);
+            return false;
+        }
+        self.g1.insert(key, page);
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return false;
+        };
+        seq.keys.push(key);
+        seq.table.push(page);
+        seq.computed = seq.table.len() * bt;
+        if let Some(begun) = seq.prefill.as_mut() {
+            let a = &mut begun.attached;
+            a.restored_bytes += block.payload().len() as u64;
             match block.tier {
-                Tier::G2 => cached.g2 += bt,
-                Tier::G3 => cached.g3 += bt,
-                Tier::G4 => cached.g4 += bt,
+                Tier::G2 => a.cached.g2 += bt,
+                Tier::G3 => a.cached.g3 += bt,
+                Tier::G4 => a.cached.g4 += bt,
             }
         }
-        if let Some(seq) = self.seqs.get_mut(&id) {
-            for (key, page) in pages {
-                seq.keys.push(key);
-                seq.table.push(page);
-            }
-            seq.computed = seq.table.len() * bt;
-        }
-        bytes
+        true
     }
 }

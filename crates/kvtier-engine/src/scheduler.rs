@@ -311,7 +311,10 @@ fn run(mut engine: Engine, cfg: BatchConfig, rx: &Receiver<Msg>, wake: &Sender<M
                     Err(RecvTimeoutError::Disconnected) => q.open = false,
                 }
             }
-        } else if q.active.is_empty() && q.queue.is_empty() {
+        } else if q.active.is_empty()
+            && q.queue.is_empty()
+            && !q.restoring.iter().any(|r| engine.restore_done(r.seq))
+        {
             // Only restores in flight: sleep until one wakes us (or a
             // request comes).
             match rx.recv() {
@@ -339,17 +342,26 @@ fn run(mut engine: Engine, cfg: BatchConfig, rx: &Receiver<Msg>, wake: &Sender<M
                 q.restoring.push(r);
             }
         }
-        // Sequences whose reads are done take their blocks into G1 and join
-        // the batch, to compute the rest of their prompts in its steps.
+        // Sequences whose reads are done take their blocks into G1, a few
+        // megabytes per step, and join the batch to compute the rest of
+        // their prompts in its steps.
+        let mut budget = ATTACH_BYTES_PER_STEP;
         let mut i = 0;
-        while i < q.restoring.len() {
-            if engine.restore_done(q.restoring[i].seq) {
-                let r = q.restoring.remove(i);
-                if let Some(a) = attach(&mut engine, r) {
-                    q.active.push(a);
-                }
-            } else {
+        while i < q.restoring.len() && budget > 0 {
+            if !engine.restore_done(q.restoring[i].seq) {
                 i += 1;
+                continue;
+            }
+            match engine.attach_some(q.restoring[i].seq, &mut budget) {
+                Ok(None) => i += 1,
+                Ok(Some(attached)) => {
+                    let r = q.restoring.remove(i);
+                    q.active.push(prefilling(r, attached));
+                }
+                Err(e) => {
+                    let mut r = q.restoring.remove(i);
+                    r.req.events.send(GenerateEvent::Failed(e.to_string()));
+                }
             }
         }
         offload(&mut engine);
@@ -385,31 +397,29 @@ fn begin(engine: &mut Engine, q: Queued, wake: &Sender<Msg>) -> Option<Restoring
     }
 }
 
-/// Takes a request's restored blocks into G1 (its read is done).
-fn attach(engine: &mut Engine, r: Restoring) -> Option<Active> {
-    let Restoring {
+/// Bytes of restored blocks copied into G1 per scheduler step, for all
+/// restoring sequences together: about 4-8 ms of copying on the reference
+/// VM, so a long prefix's copies (64 MiB for 4,096 tokens of the `small`
+/// preset) are spread over the steps instead of stalling the decoders for
+/// one long copy.
+const ATTACH_BYTES_PER_STEP: u64 = 16 << 20;
+
+/// A request whose restored blocks are all in G1, ready to compute the
+/// rest of its prompt.
+fn prefilling(r: Restoring, attached: Attached) -> Active {
+    let Restoring { seq, req, arrived } = r;
+    Active {
         seq,
-        mut req,
-        arrived,
-    } = r;
-    match engine.attach(seq) {
-        Ok(attached) => Some(Active {
-            seq,
-            sampler: Sampler::new(req.sampling),
-            phase: Phase::Prefilling {
-                prompt_tokens: req.prompt.len(),
-                arrived,
-                attached,
-            },
-            generated: 0,
-            max_tokens: req.max_tokens.max(1),
-            stop: req.stop_tokens,
-            events: req.events,
-        }),
-        Err(e) => {
-            req.events.send(GenerateEvent::Failed(e.to_string()));
-            None
-        }
+        sampler: Sampler::new(req.sampling),
+        phase: Phase::Prefilling {
+            prompt_tokens: req.prompt.len(),
+            arrived,
+            attached,
+        },
+        generated: 0,
+        max_tokens: req.max_tokens.max(1),
+        stop: req.stop_tokens,
+        events: req.events,
     }
 }
 
