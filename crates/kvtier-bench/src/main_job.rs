@@ -15,7 +15,6 @@
 //! `bench-results/<timestamp>/`.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use kvtier_energy::{CostModel, MeterOptions};
 use kvtier_engine::scheduler::BatchConfig;
@@ -255,7 +254,7 @@ fn in_process(opts: &MainJobOptions) -> Result<InProcess> {
     let tokenizer = TextTokenizer::from_dir(&model_dir)?;
     let batch = BatchConfig {
         max_batch: opts.max_batch.max(1),
-        max_wait: Duration::from_millis(50),
+        ..BatchConfig::default()
     };
     let description = format!("in-process engine, model {}", model_dir.display());
 

@@ -282,13 +282,15 @@ impl Engine {
         }
     }
 
-    pub(crate) fn alloc_page(&mut self) -> Result<PageId, EngineError> {
-        if let Some(p) = self.pool.alloc() {
+    /// A page for a sequence whose last page is `after` (see
+    /// [`KvPool::alloc`]); reclaims an idle cached page when none is free.
+    pub(crate) fn alloc_page(&mut self, after: Option<PageId>) -> Result<PageId, EngineError> {
+        if let Some(p) = self.pool.alloc(after) {
             return Ok(p);
         }
         if let Some(p) = self.g1.reclaim() {
             self.pool.free(p);
-            if let Some(p) = self.pool.alloc() {
+            if let Some(p) = self.pool.alloc(after) {
                 return Ok(p);
             }
         }
@@ -302,11 +304,14 @@ impl Engine {
         let bt = self.opts.block_tokens;
         let need = upto.div_ceil(bt);
         loop {
-            let have = self.seqs.get(&id).map_or(0, |s| s.table.len());
+            let (have, last) = self
+                .seqs
+                .get(&id)
+                .map_or((0, None), |s| (s.table.len(), s.table.last().copied()));
             if have >= need {
                 return Ok(());
             }
-            let page = self.alloc_page()?;
+            let page = self.alloc_page(last)?;
             if let Some(s) = self.seqs.get_mut(&id) {
                 s.table.push(page);
             }

@@ -246,7 +246,7 @@ impl Engine {
             return false;
         }
         let key = block.key;
-        let Ok(page) = self.alloc_page() else {
+        let Ok(page) = self.alloc_page(seq.table.last().copied()) else {
             return false;
         };
         if let Err(e) = self.pool.import(page, block.payload()) {

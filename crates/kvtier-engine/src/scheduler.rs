@@ -1,8 +1,13 @@
 //! The scheduler: one thread owns the [`Engine`] and serves many requests.
 //!
-//! * **Dynamic batching of arrivals**: when idle, the first request opens a
-//!   window; the scheduler admits up to `max_batch` requests or waits at most
-//!   `max_wait` (the brief's "8 requests or 50 ms"), then prefills them.
+//! * **Arrivals join at the next step**: a request is admitted the moment it
+//!   comes (up to `max_batch` running); requests that come while others run
+//!   join them at the next step. So no batching window is needed, and by
+//!   default there is none (`max_wait` 0, as in vLLM and llama.cpp's
+//!   server): a window would only add its length to an idle server's first
+//!   TTFT (50 ms of a 0.2 s restore at concurrency 1). `max_wait` > 0 holds
+//!   an idle scheduler's first request up to that long for companions (the
+//!   "8 requests or 50 ms" of servers that prefill a batch at once).
 //! * **Continuous batching of decode**: every step runs one decode token of
 //!   every active sequence in one forward pass; finished sequences leave and
 //!   queued requests join between steps.
@@ -40,7 +45,8 @@ use crate::sampling::{Sampler, SamplingParams};
 pub struct BatchConfig {
     /// Most sequences decoded together (and admitted per window).
     pub max_batch: usize,
-    /// Longest wait for more arrivals once the first one came, when idle.
+    /// Longest wait for more arrivals once the first one came, when idle
+    /// (default: none; see the module docs).
     pub max_wait: Duration,
 }
 
@@ -48,7 +54,7 @@ impl Default for BatchConfig {
     fn default() -> Self {
         Self {
             max_batch: 8,
-            max_wait: Duration::from_millis(50),
+            max_wait: Duration::ZERO,
         }
     }
 }
@@ -342,8 +348,8 @@ fn run(mut engine: Engine, cfg: BatchConfig, rx: &Receiver<Msg>, wake: &Sender<M
                 q.restoring.push(r);
             }
         }
-        // Sequences whose reads are done take their blocks into G1, a few
-        // megabytes per step, and join the batch to compute the rest of
+        // Sequences whose reads are done take their blocks into G1, up to
+        // ATTACH_BYTES_PER_STEP per step, and join the batch to compute the rest of
         // their prompts in its steps.
         let mut budget = ATTACH_BYTES_PER_STEP;
         let mut i = 0;
@@ -398,11 +404,11 @@ fn begin(engine: &mut Engine, q: Queued, wake: &Sender<Msg>) -> Option<Restoring
 }
 
 /// Bytes of restored blocks copied into G1 per scheduler step, for all
-/// restoring sequences together: about 4-8 ms of copying on the reference
-/// VM, so a long prefix's copies (64 MiB for 4,096 tokens of the `small`
-/// preset) are spread over the steps instead of stalling the decoders for
-/// one long copy.
-const ATTACH_BYTES_PER_STEP: u64 = 16 << 20;
+/// restoring sequences together: about 4 ms of copying on the reference VM
+/// (into the pool's committed memory), a 4,096-token prefix of the `small`
+/// preset in one step; a longer prefix's copies are spread over the steps
+/// instead of stalling the decoders for one long copy.
+const ATTACH_BYTES_PER_STEP: u64 = 64 << 20;
 
 /// A request whose restored blocks are all in G1, ready to compute the
 /// rest of its prompt.

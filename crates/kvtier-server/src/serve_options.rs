@@ -46,7 +46,8 @@ pub struct ServeOptions {
     /// (default: 8).
     pub max_batch: usize,
     /// Longest wait for more arrivals once the first request of an idle
-    /// batch came (default: 50 ms).
+    /// server came (default: 0, no window: requests that come while others
+    /// run join them at the next step).
     pub max_wait: Duration,
     /// Reuse cached KV (off: recompute every prompt, the baseline; no store
     /// is opened) (default: on).
@@ -78,7 +79,7 @@ impl Default for ServeOptions {
             max_seq_tokens: 8192,
             max_prompt_tokens: None,
             max_batch: 8,
-            max_wait: Duration::from_millis(50),
+            max_wait: Duration::ZERO,
             prefix_reuse: true,
             tenant_salt: String::new(),
             remote: None,

@@ -235,6 +235,28 @@ fn prefix_lookup_stops_at_the_first_block_no_tier_holds() {
     );
 }
 
+#[test]
+fn a_batch_larger_than_the_write_queue_keeps_its_leading_blocks() {
+    let redis = RedisServer::start().unwrap();
+    let mut remote = RemoteConfig::new(redis.url());
+    // Room for three blocks as sent (header and payload).
+    remote.write_queue_bytes = 3 * (PAYLOAD as u64 + 128);
+    let a = remote_store(None, remote.clone());
+    assert_eq!(put(&a, &keys(0..8)).stored, 8, "all eight in G2");
+    a.flush().unwrap();
+    assert_eq!(a.metrics().remote.dropped_puts.get(), 5);
+    assert_eq!(
+        a.metrics().g4.written_bytes.get(),
+        3 * (PAYLOAD as u64 + 128)
+    );
+    // Another node restores the head of the prefix from G4.
+    let b = remote_store(None, remote);
+    let got = b.read_prefix(&keys(0..8));
+    let tiers: Vec<Tier> = got.iter().map(|b| b.tier).collect();
+    assert_eq!(tiers, vec![Tier::G4; 3], "blocks 0, 1, 2: the first three");
+    got.iter().for_each(assert_content);
+}
+
 /// Calls of `cmd` the server has answered since its stats were reset.
 fn calls(redis: &RedisServer, cmd: &str) -> u64 {
     let info = redis.command(&[b"INFO", b"commandstats"]).unwrap();

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::cli_model::{CheckpointBenchArgs, ModelBenchArgs, ModelLoadArgs, ModelSynthArgs};
+use crate::cli_model::{
+    CheckpointBenchArgs, ModelBenchArgs, ModelLoadArgs, ModelSynthArgs, in_flight_arg,
+};
 use crate::cmd_model_init::ModelInitArgs;
 use crate::cmd_serve::ServeArgs;
 use kvtier_bench::size::parse_size;
@@ -12,9 +14,6 @@ use kvtier_bench::store_bench::slot_layout::check_block_bytes;
 use kvtier_bench::store_bench::{G3_DEFAULT_TOTAL_BYTES, G4_DEFAULT_TOTAL_BYTES};
 
 use crate::remote_flags::RemoteFlags;
-
-/// Largest in-flight depth a case may ask for (the I/O engine's limit).
-pub const MAX_IN_FLIGHT: u32 = kvtier_io::MAX_IN_FLIGHT as u32;
 
 /// kvtier: the storage path for LLM inference.
 ///
@@ -289,19 +288,6 @@ impl BenchArgs {
 fn block_bytes_arg(s: &str) -> Result<u64, String> {
     let n = parse_size(s)?;
     check_block_bytes(n)?;
-    Ok(n)
-}
-
-fn in_flight_arg(s: &str) -> Result<u32, String> {
-    let n: u32 = s
-        .trim()
-        .parse()
-        .map_err(|_| format!("{s:?} is not a whole number"))?;
-    if n == 0 || n > MAX_IN_FLIGHT {
-        return Err(format!(
-            "in-flight depth must be 1 to {MAX_IN_FLIGHT}, got {n}"
-        ));
-    }
     Ok(n)
 }
 

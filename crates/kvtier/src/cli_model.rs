@@ -9,8 +9,8 @@ use kvtier_io::loader::LoaderConfig;
 
 use kvtier_bench::size::parse_size;
 
-/// Largest reads-in-flight value the loader and writer flags accept.
-pub const MAX_FLIGHT: u32 = kvtier_io::MAX_IN_FLIGHT as u32;
+/// Largest in-flight depth any flag accepts (the I/O engine's limit).
+pub const MAX_IN_FLIGHT: u32 = kvtier_io::MAX_IN_FLIGHT as u32;
 
 /// How the kvtier loader reads (defaults: the library's).
 #[derive(Debug, Clone, Args)]
@@ -20,7 +20,7 @@ pub struct LoaderFlags {
     pub chunk_bytes: u64,
 
     /// Reads the kvtier loader keeps in flight.
-    #[arg(long, value_name = "N", default_value_t = 32, value_parser = flight_arg)]
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = in_flight_arg)]
     pub in_flight: u32,
 
     /// Read buffered instead of probing for O_DIRECT.
@@ -214,7 +214,7 @@ pub struct CheckpointBenchArgs {
     pub chunk_bytes: Option<u64>,
 
     /// Writes the kvtier writer keeps in flight [default: the library's].
-    #[arg(long, value_name = "N", value_parser = flight_arg)]
+    #[arg(long, value_name = "N", value_parser = in_flight_arg)]
     pub in_flight: Option<u32>,
 
     /// Threads gathering chunks for the kvtier writer (and fsyncing its
@@ -261,13 +261,17 @@ fn io_bytes_arg(s: &str) -> Result<u64, String> {
     Ok(n)
 }
 
-fn flight_arg(s: &str) -> Result<u32, String> {
+/// Parses an in-flight depth (every `--in-flight` flag): 1 to
+/// [`MAX_IN_FLIGHT`].
+pub(crate) fn in_flight_arg(s: &str) -> Result<u32, String> {
     let n: u32 = s
         .trim()
         .parse()
         .map_err(|_| format!("{s:?} is not a whole number"))?;
-    if n == 0 || n > MAX_FLIGHT {
-        return Err(format!("must be 1 to {MAX_FLIGHT}, got {n}"));
+    if n == 0 || n > MAX_IN_FLIGHT {
+        return Err(format!(
+            "in-flight depth must be 1 to {MAX_IN_FLIGHT}, got {n}"
+        ));
     }
     Ok(n)
 }
@@ -303,9 +307,9 @@ mod tests {
         assert!(io_bytes_arg("4KiB").is_ok());
         assert!(io_bytes_arg("1000").is_err());
         assert!(io_bytes_arg("0").is_err());
-        assert!(flight_arg("0").is_err());
-        assert!(flight_arg("x").is_err());
-        assert_eq!(flight_arg("16"), Ok(16));
+        assert!(in_flight_arg("0").is_err());
+        assert!(in_flight_arg("x").is_err());
+        assert_eq!(in_flight_arg("16"), Ok(16));
         assert!(secs_arg("-1").is_err());
         assert_eq!(secs_arg("0"), Ok(0.0));
     }

@@ -34,7 +34,7 @@ pub struct BenchCmdArgs {
     /// Directory for the KV cache (G3); emptied before the run.
     #[arg(long, value_name = "DIR", default_value = "kvtier-cache/bench-kv")]
     pub cache_dir: PathBuf,
-    /// Where reports go (default: bench-results/<timestamp>).
+    /// Where reports go (default: `bench-results/<timestamp>`).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Sessions.

@@ -70,8 +70,9 @@ pub struct ServeArgs {
     pub max_batch: u32,
 
     /// Longest wait, in milliseconds, for more arrivals once the first
-    /// request of an idle batch came.
-    #[arg(long, value_name = "MS", default_value_t = 50)]
+    /// request of an idle server came. 0: none (requests that come while
+    /// others run join them at the next step).
+    #[arg(long, value_name = "MS", default_value_t = 0)]
     pub max_wait_ms: u64,
 
     /// Recompute every prompt (the baseline): neither read nor write

@@ -58,19 +58,38 @@ impl WriteThrough {
         })
     }
 
-    /// Queues `batch`, or drops and counts it when the queue is full.
-    pub(super) fn queue(&self, batch: Vec<RemoteBlock>, metrics: &StoreMetrics) {
+    /// Queues the leading blocks of `batch` that fit in the queue; drops
+    /// and counts the rest.
+    ///
+    /// The head of a batch is kept rather than the whole batch refused: a
+    /// batch is a prompt's blocks in order, a prefix is restored only up to
+    /// its first missing block, and prompts offloaded together can be
+    /// larger than the whole queue (five 4,096-token prompts of the
+    /// `small` preset are 320 MiB; the default queue holds 256 MiB).
+    pub(super) fn queue(&self, mut batch: Vec<RemoteBlock>, metrics: &StoreMetrics) {
+        // With the breaker open the writer drops batches at once (and lets
+        // one through as a probe when due), so the queue stays short.
+        let room = self
+            .max_queued
+            .saturating_sub(self.queued.load(Ordering::Acquire));
+        let mut bytes = 0u64;
+        let fits = batch
+            .iter()
+            .take_while(|(_, _, len)| {
+                bytes += *len as u64;
+                bytes <= room
+            })
+            .count();
+        let dropped = batch.len() - fits;
+        if dropped > 0 {
+            metrics.remote.dropped_puts.inc_by(dropped as u64);
+            batch.truncate(fits);
+        }
         if batch.is_empty() {
             return;
         }
         let n = batch.len() as u64;
         let bytes: u64 = batch.iter().map(|(_, _, len)| *len as u64).sum();
-        // With the breaker open the writer drops batches at once (and lets
-        // one through as a probe when due), so the queue stays short.
-        if self.queued.load(Ordering::Acquire) + bytes > self.max_queued {
-            metrics.remote.dropped_puts.inc_by(n);
-            return;
-        }
         self.queued.fetch_add(bytes, Ordering::AcqRel);
         metrics.remote.queue_bytes.inc_by(bytes as i64);
         if !self.writer.send(batch) {
