@@ -9,6 +9,8 @@ use std::time::Instant;
 use kvtier_engine::{Engine, EngineError, EngineOptions, Preset, StoreOptions, write_preset};
 
 fn main() -> Result<(), EngineError> {
+    // SAFETY: first thing in main, before any thread starts.
+    unsafe { kvtier_engine::fix_cpu_threads() };
     let args: Vec<String> = std::env::args().collect();
     let tmp = std::env::temp_dir();
     let dir = match args.get(1).filter(|s| !s.is_empty()) {

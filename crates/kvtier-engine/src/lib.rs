@@ -29,7 +29,7 @@ pub mod weights;
 
 #[cfg(feature = "cuda")]
 pub use device::cuda_stream;
-pub use device::open_device;
+pub use device::{fix_cpu_threads, open_device};
 pub use engine::{CachedTokens, Engine, EngineOptions, Prefill, SeqId, Step, StoreOptions};
 pub use engine_error::EngineError;
 pub use model_config::ModelConfig;

@@ -64,6 +64,8 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    // SAFETY: first thing in main, before any thread starts.
+    unsafe { kvtier_engine::fix_cpu_threads() };
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
