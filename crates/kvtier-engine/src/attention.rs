@@ -4,8 +4,8 @@
 //! so the scores and the output are one matmul each.
 //!
 //! Grouped-query attention: query head `i` reads KV head `i / groups`, so the
-//! queries are viewed as `(kv_heads, groups * t, head_dim)` and every page's
-//! K and V `(kv_heads, block_tokens, head_dim)` serve as batched operands.
+//! queries are viewed as `(kv_heads, groups * t, head_dim)` and the context's
+//! K and V `(kv_heads, keys, head_dim)` serve as batched operands.
 
 use candle_core::{Device, Tensor};
 

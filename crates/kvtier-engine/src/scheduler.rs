@@ -348,9 +348,9 @@ fn run(mut engine: Engine, cfg: BatchConfig, rx: &Receiver<Msg>, wake: &Sender<M
                 q.restoring.push(r);
             }
         }
-        // Sequences whose reads are done take their blocks into G1, up to
-        // ATTACH_BYTES_PER_STEP per step, and join the batch to compute the rest of
-        // their prompts in its steps.
+        // Sequences whose reads are done take their blocks into G1 (up to
+        // ATTACH_BYTES_PER_STEP per step) and join the batch, to compute the
+        // rest of their prompts in its steps.
         let mut budget = ATTACH_BYTES_PER_STEP;
         let mut i = 0;
         while i < q.restoring.len() && budget > 0 {
