@@ -28,34 +28,48 @@ pub fn causal_mask(
     Tensor::from_vec(m, (t, keys), device)
 }
 
+/// The mask of a sequence's `t` queries at positions `start..start + t`
+/// over the pages of `table` they read (those holding positions up to
+/// `start + t - 1`): [`causal_mask`] over that many pages' keys. The same
+/// for every layer, so it is built once per forward pass.
+pub fn sequence_mask(
+    pool: &KvPool,
+    table: &[PageId],
+    start: usize,
+    t: usize,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    let bt = pool.block_tokens();
+    let pages = (start + t).div_ceil(bt).min(table.len());
+    causal_mask(start, t, pages * bt, device)
+}
+
 /// Attention output `(heads, t, head_dim)` for queries `q` `(heads, t,
-/// head_dim)` at positions `start..start + t`, whose K/V (already written to
-/// the pool) live in `table`.
+/// head_dim)`, whose K/V (already written to the pool) live in `table`,
+/// under `mask` (from [`sequence_mask`]; its width says how many of the
+/// table's pages are read).
 pub fn paged_attention(
     pool: &KvPool,
     layer: usize,
     table: &[PageId],
     q: &Tensor,
-    start: usize,
+    mask: &Tensor,
     kv_heads: usize,
 ) -> candle_core::Result<Tensor> {
     let (heads, t, hd) = q.dims3()?;
     let groups = heads / kv_heads;
-    let bt = pool.block_tokens();
-    let used = (start + t).div_ceil(bt);
-    let pages = &table[..used.min(table.len())];
+    let keys = mask.dims2()?.1;
+    let pages = &table[..(keys / pool.block_tokens()).min(table.len())];
     let scale = 1.0 / (hd as f64).sqrt();
     let q = (q.reshape((kv_heads, groups * t, hd))? * scale)?;
     if pages.is_empty() {
         return Tensor::zeros((heads, t, hd), q.dtype(), q.device());
     }
-    let keys = pages.len() * bt;
     let k = pool.context(layer, pages, false)?;
     let scores = q.matmul(&k.t()?)?;
-    let mask = causal_mask(start, t, keys, q.device())?;
     let scores = scores
         .reshape((kv_heads, groups, t, keys))?
-        .broadcast_add(&mask)?;
+        .broadcast_add(mask)?;
     let weights =
         candle_nn::ops::softmax_last_dim(&scores)?.reshape((kv_heads, groups * t, keys))?;
     let v = pool.context(layer, pages, true)?;
@@ -122,7 +136,8 @@ mod tests {
                 .map(|x| ((x * 13) as f32 * 0.05).cos())
                 .collect();
             let q = Tensor::from_vec(qd.clone(), (heads, t, hd), &dev).unwrap();
-            let got = paged_attention(&pool, 0, table, &q, start, kvh).unwrap();
+            let mask = sequence_mask(&pool, table, start, t, &dev).unwrap();
+            let got = paged_attention(&pool, 0, table, &q, &mask, kvh).unwrap();
             let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
             for qh in 0..heads {
                 let h = qh / groups;

@@ -8,7 +8,7 @@
 use candle_core::{D, DType, Device, Tensor};
 use candle_nn::{Linear, Module};
 
-use crate::attention::paged_attention;
+use crate::attention::{paged_attention, sequence_mask};
 use crate::engine_error::EngineError;
 use crate::kv_pool::{KvPool, PageId};
 use crate::model_config::ModelConfig;
@@ -160,6 +160,10 @@ impl Model {
         let n = ids.len();
         let ids = Tensor::from_vec(ids, n, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
+        let masks = segs
+            .iter()
+            .map(|s| sequence_mask(pool, s.table, s.start, s.tokens.len(), &self.device))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         for (li, layer) in self.layers.iter().enumerate() {
             let hn = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
             let q = layer.q.forward(&hn)?;
@@ -167,7 +171,7 @@ impl Model {
             let v = layer.v.forward(&hn)?;
             let mut outs = Vec::with_capacity(segs.len());
             let mut off = 0;
-            for s in segs {
+            for (s, mask) in segs.iter().zip(&masks) {
                 let t = s.tokens.len();
                 let split = |m: &Tensor, nh: usize| -> candle_core::Result<Tensor> {
                     m.narrow(0, off, t)?
@@ -179,7 +183,7 @@ impl Model {
                 let ks = self.rope.apply(&split(&k, kvh)?, s.start)?;
                 let vs = split(&v, kvh)?;
                 pool.write(li, s.table, s.start, &ks, &vs)?;
-                let a = paged_attention(pool, li, s.table, &qs, s.start, kvh)?;
+                let a = paged_attention(pool, li, s.table, &qs, mask, kvh)?;
                 outs.push(a.transpose(0, 1)?.reshape((t, heads * hd))?);
                 off += t;
             }

@@ -72,14 +72,14 @@ impl WriteThrough {
         let room = self
             .max_queued
             .saturating_sub(self.queued.load(Ordering::Acquire));
-        let mut bytes = 0u64;
-        let fits = batch
-            .iter()
-            .take_while(|(_, _, len)| {
-                bytes += *len as u64;
-                bytes <= room
-            })
-            .count();
+        let (mut fits, mut bytes) = (0, 0u64);
+        for (_, _, len) in &batch {
+            if bytes + *len as u64 > room {
+                break;
+            }
+            bytes += *len as u64;
+            fits += 1;
+        }
         let dropped = batch.len() - fits;
         if dropped > 0 {
             metrics.remote.dropped_puts.inc_by(dropped as u64);
@@ -89,7 +89,6 @@ impl WriteThrough {
             return;
         }
         let n = batch.len() as u64;
-        let bytes: u64 = batch.iter().map(|(_, _, len)| *len as u64).sum();
         self.queued.fetch_add(bytes, Ordering::AcqRel);
         metrics.remote.queue_bytes.inc_by(bytes as i64);
         if !self.writer.send(batch) {
