@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use kvtier_store::{KvDtype, KvLayout};
+use kvtier_store::{Arrangement, KvDtype, KvLayout};
 use serde::Deserialize;
 
 use crate::engine_error::EngineError;
@@ -227,6 +227,8 @@ impl ModelConfig {
             head_dim: self.head_dim() as u32,
             block_tokens: block_tokens as u32,
             dtype: KvDtype::F32,
+            arrangement: Arrangement::KvMajor,
+            shard: None,
         }
     }
 

@@ -14,7 +14,8 @@ use std::error::Error;
 use std::path::PathBuf;
 
 use kvtier_store::{
-    DiskConfig, KeyChain, KvDtype, KvLayout, ModelFingerprint, StoreConfig, TieredStore,
+    Arrangement, DiskConfig, KeyChain, KvDtype, KvLayout, ModelFingerprint, StoreConfig,
+    TieredStore,
 };
 
 fn main() -> Result<(), Box<dyn Error>> {
@@ -31,6 +32,8 @@ fn main() -> Result<(), Box<dyn Error>> {
         head_dim: 64,
         block_tokens: 16,
         dtype: KvDtype::F32,
+        arrangement: Arrangement::KvMajor,
+        shard: None,
     };
     let model = ModelFingerprint::of_bytes(b"the model's config and weights");
     let mut config = StoreConfig::new(layout, model);

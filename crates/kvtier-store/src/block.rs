@@ -18,7 +18,11 @@
 //! | 56..64   | payload length, `u64`                             |
 //! | 64..72   | generation, `u64` (writer-assigned sequence)      |
 //! | 72..76   | CRC32C of the payload                             |
-//! | 76..124  | reserved, zero                                    |
+//! | 76       | v2: arrangement ([`Arrangement`]); v1: zero       |
+//! | 77       | reserved, zero                                    |
+//! | 78..80   | v2: tensor-parallel rank, `u16`; v1: zero         |
+//! | 80..82   | v2: tensor-parallel world, `u16` (0: unsharded)   |
+//! | 82..124  | reserved, zero                                    |
 //! | 124..128 | CRC32C of bytes 0..124                            |
 //!
 //! A block that fails any check is a miss: callers delete it and never serve
@@ -29,16 +33,23 @@ use std::sync::Arc;
 use kvtier_io::buffer::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
 
 use crate::key::{BlockKey, ModelFingerprint};
-use crate::kv_layout::{KvDtype, KvLayout, LayoutError};
+use crate::kv_layout::{Arrangement, KvDtype, KvLayout, LayoutError, TpShard};
 
 /// The four bytes every encoded block starts with.
 pub const MAGIC: [u8; 4] = *b"KVTB";
-/// The format version this code writes and the only one it reads.
-pub const FORMAT_VERSION: u16 = 1;
+/// The newest format version, written for blocks that need it (an
+/// arrangement other than KV-major, or a shard). Blocks without either are
+/// written as version 1, byte for byte as before; both versions are read.
+pub const FORMAT_VERSION: u16 = 2;
+/// The oldest format version read.
+pub const MIN_FORMAT_VERSION: u16 = 1;
 /// Size of the fixed header that precedes the payload.
 pub const HEADER_BYTES: usize = 128;
-/// Byte range of the reserved header area (zero in version 1).
-pub const RESERVED_RANGE: std::ops::Range<usize> = 76..124;
+/// Byte range of the reserved header area, zero in every version (in
+/// version 1, bytes 76..82 must be zero too).
+pub const RESERVED_RANGE: std::ops::Range<usize> = 82..124;
+/// Bytes version 2 assigned (arrangement, a reserved byte, the shard).
+const V2_RANGE: std::ops::Range<usize> = 76..82;
 /// Byte range covered by the header checksum.
 pub const HEADER_CRC_COVERS: std::ops::Range<usize> = 0..124;
 
@@ -96,11 +107,16 @@ pub enum BlockError {
     #[error("not a kvtier block (bad magic)")]
     BadMagic,
     /// A format version this reader does not understand.
-    #[error("unsupported block format version {0} (this reader supports {FORMAT_VERSION})")]
+    #[error(
+        "unsupported block format version {0} (this reader supports {MIN_FORMAT_VERSION} to {FORMAT_VERSION})"
+    )]
     UnsupportedVersion(u16),
     /// The dtype byte names no known [`KvDtype`].
     #[error("unknown KV dtype byte {0}")]
     UnknownDtype(u8),
+    /// The arrangement byte names no known [`Arrangement`].
+    #[error("unknown KV arrangement byte {0}")]
+    UnknownArrangement(u8),
     /// The compression byte names no known [`Compression`].
     #[error("unknown compression byte {0}")]
     UnknownCompression(u8),
@@ -205,7 +221,9 @@ impl BlockHeader {
     pub fn encode(&self) -> [u8; HEADER_BYTES] {
         let mut b = [0u8; HEADER_BYTES];
         b[0..4].copy_from_slice(&MAGIC);
-        b[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        let v2 = self.layout.arrangement != Arrangement::KvMajor || self.layout.shard.is_some();
+        let version: u16 = if v2 { 2 } else { 1 };
+        b[4..6].copy_from_slice(&version.to_le_bytes());
         b[6] = self.layout.dtype as u8;
         b[7] = self.compression as u8;
         b[8..24].copy_from_slice(&self.key.0);
@@ -217,7 +235,13 @@ impl BlockHeader {
         b[56..64].copy_from_slice(&self.payload_len.to_le_bytes());
         b[64..72].copy_from_slice(&self.generation.to_le_bytes());
         b[72..76].copy_from_slice(&self.payload_crc32c.to_le_bytes());
-        // 76..124 reserved: already zero.
+        b[76] = self.layout.arrangement as u8;
+        // 77 reserved: already zero.
+        if let Some(shard) = self.layout.shard {
+            b[78..80].copy_from_slice(&shard.rank.to_le_bytes());
+            b[80..82].copy_from_slice(&shard.world.to_le_bytes());
+        }
+        // 82..124 reserved: already zero.
         let crc = crc32c::crc32c(&b[HEADER_CRC_COVERS]);
         b[124..128].copy_from_slice(&crc.to_le_bytes());
         b
@@ -226,8 +250,8 @@ impl BlockHeader {
     /// Parses and validates the header at the start of `bytes` (extra bytes
     /// after the first 128 are ignored).
     ///
-    /// Checks, in order: length, magic, version, dtype, compression, reserved
-    /// bytes zero, header checksum, [`KvLayout::validate`], and
+    /// Checks, in order: length, magic, version, dtype, compression,
+    /// arrangement, reserved bytes zero (and no rank without a world), header checksum, [`KvLayout::validate`], and
     /// `payload_len == layout.payload_bytes()`. Never panics.
     pub fn decode(bytes: &[u8]) -> Result<BlockHeader, BlockError> {
         let b: &[u8; HEADER_BYTES] = bytes
@@ -241,23 +265,35 @@ impl BlockHeader {
             return Err(BlockError::BadMagic);
         }
         let version = le_u16(b, 4);
-        if version != FORMAT_VERSION {
+        if !(MIN_FORMAT_VERSION..=FORMAT_VERSION).contains(&version) {
             return Err(BlockError::UnsupportedVersion(version));
         }
         let dtype = KvDtype::from_u8(b[6]).ok_or(BlockError::UnknownDtype(b[6]))?;
         let compression = Compression::from_u8(b[7]).ok_or(BlockError::UnknownCompression(b[7]))?;
-        if b[RESERVED_RANGE].iter().any(|&x| x != 0) {
+        let arrangement =
+            Arrangement::from_u8(b[76]).ok_or(BlockError::UnknownArrangement(b[76]))?;
+        let v1_extended = version == 1 && b[V2_RANGE].iter().any(|&x| x != 0);
+        if v1_extended || b[77] != 0 || b[RESERVED_RANGE].iter().any(|&x| x != 0) {
             return Err(BlockError::ReservedNotZero);
         }
         if crc32c::crc32c(&b[HEADER_CRC_COVERS]) != le_u32(b, 124) {
             return Err(BlockError::HeaderChecksum);
         }
+        let world = le_u16(b, 80);
+        let rank = le_u16(b, 78);
+        let shard = match world {
+            0 if rank == 0 => None,
+            0 => return Err(BlockError::ReservedNotZero),
+            _ => Some(TpShard { rank, world }),
+        };
         let layout = KvLayout {
             layers: le_u32(b, 40),
             kv_heads: le_u32(b, 44),
             head_dim: le_u32(b, 48),
             block_tokens: le_u32(b, 52),
             dtype,
+            arrangement,
+            shard,
         };
         layout.validate()?;
         let payload_len = le_u64(b, 56);
@@ -441,6 +477,8 @@ mod tests {
             head_dim: 4,
             block_tokens: 2,
             dtype: KvDtype::F32,
+            arrangement: Arrangement::KvMajor,
+            shard: None,
         }
     }
 
@@ -452,19 +490,22 @@ mod tests {
 
     fn arb_layout() -> impl Strategy<Value = KvLayout> {
         (
-            1u32..5,
-            1u32..5,
-            1u32..33,
-            1u32..17,
+            (1u32..5, 1u32..5, 1u32..33, 1u32..17),
             prop::sample::select(KvDtype::ALL.to_vec()),
+            prop::sample::select(Arrangement::ALL.to_vec()),
+            prop::option::of((2u16..9).prop_flat_map(|w| (0..w, Just(w)))),
         )
             .prop_map(
-                |(layers, kv_heads, head_dim, block_tokens, dtype)| KvLayout {
-                    layers,
-                    kv_heads,
-                    head_dim,
-                    block_tokens,
-                    dtype,
+                |((layers, kv_heads, head_dim, block_tokens), dtype, arrangement, shard)| {
+                    KvLayout {
+                        layers,
+                        kv_heads,
+                        head_dim,
+                        block_tokens,
+                        dtype,
+                        arrangement,
+                        shard: shard.map(|(rank, world)| TpShard { rank, world }),
+                    }
                 },
             )
     }
@@ -512,6 +553,8 @@ mod tests {
                 head_dim: 64,
                 block_tokens: 16,
                 dtype: KvDtype::Bf16,
+                arrangement: Arrangement::KvMajor,
+                shard: None,
             },
             // header + payload exactly 4096: no padding
             KvLayout {
@@ -520,6 +563,8 @@ mod tests {
                 head_dim: 1,
                 block_tokens: (4096 - 128) / 2,
                 dtype: KvDtype::F8E4m3,
+                arrangement: Arrangement::KvMajor,
+                shard: None,
             },
         ] {
             let payload = payload_for(&layout, 5);
@@ -611,11 +656,35 @@ mod tests {
         );
         let b = reseal(&|b| b[0] = b'X');
         assert_eq!(decode_block(&b, None), Err(BlockError::BadMagic));
-        let b = reseal(&|b| b[4] = 2);
+        let b = reseal(&|b| b[4] = 3);
         assert_eq!(
             decode_block(&b, None),
-            Err(BlockError::UnsupportedVersion(2))
+            Err(BlockError::UnsupportedVersion(3))
         );
+        // Version 1 has no arrangement or shard: those bytes must be zero.
+        let b = reseal(&|b| b[76] = 1);
+        assert_eq!(decode_block(&b, None), Err(BlockError::ReservedNotZero));
+        let b = reseal(&|b| b[80] = 2);
+        assert_eq!(decode_block(&b, None), Err(BlockError::ReservedNotZero));
+        let b = reseal(&|b| {
+            b[4] = 2;
+            b[76] = 9;
+        });
+        assert_eq!(
+            decode_block(&b, None),
+            Err(BlockError::UnknownArrangement(9))
+        );
+        // Version 2: a rank without a world, or the reserved byte 77.
+        let b = reseal(&|b| {
+            b[4] = 2;
+            b[78] = 1;
+        });
+        assert_eq!(decode_block(&b, None), Err(BlockError::ReservedNotZero));
+        let b = reseal(&|b| {
+            b[4] = 2;
+            b[77] = 1;
+        });
+        assert_eq!(decode_block(&b, None), Err(BlockError::ReservedNotZero));
         let b = reseal(&|b| b[6] = 9);
         assert_eq!(decode_block(&b, None), Err(BlockError::UnknownDtype(9)));
         let b = reseal(&|b| b[7] = 1);
@@ -743,6 +812,9 @@ mod tests {
             };
             let enc = h.encode();
             prop_assert_eq!(BlockHeader::decode(&enc), Ok(h));
+            // Only what version 1 cannot say is written as version 2.
+            let v1 = layout.arrangement == Arrangement::KvMajor && layout.shard.is_none();
+            prop_assert_eq!(le_u16(&enc, 4), if v1 { 1 } else { 2 });
             prop_assert_eq!(h.encoded_len() as u64, layout.encoded_bytes());
             prop_assert_eq!(h.encoded_len() % DIRECT_IO_ALIGN, 0);
         }

@@ -12,12 +12,16 @@ use std::fmt;
 
 use xxhash_rust::xxh3::{Xxh3Default, xxh3_128};
 
-use crate::kv_layout::KvLayout;
+use crate::kv_layout::{Arrangement, KvLayout};
 
 /// Domain-separation string hashed first into every key-chain seed. Bump the
 /// version suffix whenever the key derivation changes, so old and new keys
 /// can never collide.
 pub const KEYCHAIN_DOMAIN: &str = "kvtier.keychain.v1";
+
+/// Domain-separation string hashed first into every raw key
+/// ([`KeyChain::raw_key`]), so a raw key never equals a token-chain key.
+pub const RAWKEY_DOMAIN: &str = "kvtier.rawkey.v1";
 
 /// The 128-bit name of one KV block (and of the whole prefix it ends).
 ///
@@ -102,10 +106,15 @@ impl KeyChain {
     /// 1. the domain string [`KEYCHAIN_DOMAIN`] (`"kvtier.keychain.v1"`),
     /// 2. the 16 fingerprint bytes,
     /// 3. the layout as 17 bytes: `layers`, `kv_heads`, `head_dim`,
-    ///    `block_tokens` (each `u32` little-endian) then the dtype byte,
+    ///    `block_tokens` (each `u32` little-endian) then the dtype byte;
+    ///    a layout with another arrangement than KV-major or with a shard
+    ///    appends 5 bytes: the arrangement byte, the rank and the world
+    ///    (`u16` little-endian each, both 0 unsharded), 22 in all,
     /// 4. the tenant salt.
+    ///
+    /// docs/keys.md has the scheme and golden vectors.
     pub fn new(fingerprint: &ModelFingerprint, layout: &KvLayout, tenant_salt: &[u8]) -> Self {
-        let mut layout_bytes = [0u8; 17];
+        let mut layout_bytes = [0u8; 22];
         for (i, v) in [
             layout.layers,
             layout.kv_heads,
@@ -118,12 +127,22 @@ impl KeyChain {
             layout_bytes[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
         }
         layout_bytes[16] = layout.dtype as u8;
+        let extended = layout.arrangement != Arrangement::KvMajor || layout.shard.is_some();
+        let layout_len = if extended {
+            layout_bytes[17] = layout.arrangement as u8;
+            let (rank, world) = layout.shard.map_or((0, 0), |s| (s.rank, s.world));
+            layout_bytes[18..20].copy_from_slice(&rank.to_le_bytes());
+            layout_bytes[20..22].copy_from_slice(&world.to_le_bytes());
+            22
+        } else {
+            17
+        };
 
         let mut h = Xxh3Default::new();
         for field in [
             KEYCHAIN_DOMAIN.as_bytes(),
             &fingerprint.0[..],
-            &layout_bytes[..],
+            &layout_bytes[..layout_len],
             tenant_salt,
         ] {
             h.update(&(field.len() as u64).to_le_bytes());
@@ -161,6 +180,21 @@ impl KeyChain {
                 dst.copy_from_slice(&t.to_le_bytes());
             }
             h.update(&buf[..chunk.len() * 4]);
+        }
+        BlockKey(h.digest128().to_le_bytes())
+    }
+
+    /// The key of an engine's own block hash `raw` (any bytes: vLLM's block
+    /// hash, a content digest) in this chain's model, layout and tenant:
+    /// `XXH3-128(field(RAWKEY_DOMAIN) || field(seed) || field(raw))`, with
+    /// `field(x) = len(x) as u64 LE || x`. The engine's hash must already
+    /// name the whole prefix (vLLM's block hashes chain their parents);
+    /// kvtier only scopes it.
+    pub fn raw_key(&self, raw: &[u8]) -> BlockKey {
+        let mut h = Xxh3Default::new();
+        for field in [RAWKEY_DOMAIN.as_bytes(), &self.seed.0[..], raw] {
+            h.update(&(field.len() as u64).to_le_bytes());
+            h.update(field);
         }
         BlockKey(h.digest128().to_le_bytes())
     }
@@ -215,7 +249,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::kv_layout::KvDtype;
+    use crate::kv_layout::{KvDtype, TpShard};
 
     fn golden_layout() -> KvLayout {
         KvLayout {
@@ -224,6 +258,8 @@ mod tests {
             head_dim: 8,
             block_tokens: 4,
             dtype: KvDtype::F32,
+            arrangement: Arrangement::KvMajor,
+            shard: None,
         }
     }
 
@@ -263,6 +299,94 @@ mod tests {
                 "70155e30094059263d111c7388e81394"
             ]
         );
+    }
+
+    /// Raw keys and the extended layout bytes, pinned the same way
+    /// (docs/keys.md; computed with Python's `xxhash` from the documented
+    /// encoding, not by this code).
+    #[test]
+    fn golden_raw_keys_and_extended_layouts() {
+        let fp = ModelFingerprint::of_bytes(b"kvtier-golden-model");
+        let chain = golden_chain();
+        assert_eq!(
+            chain.raw_key(b"abc").to_hex(),
+            "ef79ddfb82bc4c5dfbe2f2ad8f8715b2"
+        );
+        assert_eq!(
+            chain.raw_key(b"").to_hex(),
+            "c54238c10919dc721adcd70204dd71a0"
+        );
+        let vllm = KeyChain::new(&fp, &KvLayout::vllm_cpu(2, 2, 64, 128, KvDtype::F32), b"");
+        assert_eq!(vllm.seed().to_hex(), "f913554079baeb8ebe59263e809d7c45");
+        assert_eq!(
+            vllm.raw_key(&12345u64.to_le_bytes()).to_hex(),
+            "5c5113f0a0443f0980091da1309c7129"
+        );
+        let shard = KvLayout {
+            shard: Some(TpShard { rank: 1, world: 2 }),
+            ..KvLayout::kv_major(2, 1, 8, 4, KvDtype::Bf16)
+        };
+        let chain = KeyChain::new(&fp, &shard, b"tenant-a");
+        assert_eq!(chain.seed().to_hex(), "827711384dfb9bdc167a04276cd57053");
+        assert_eq!(
+            chain.keys(&[0, 1, 2, 3])[0].to_hex(),
+            "057b7b1c56e2c60123e1ba22fa05656f"
+        );
+    }
+
+    #[test]
+    fn raw_keys_are_scoped_by_model_layout_salt_and_bytes() {
+        let fp = ModelFingerprint::of_bytes(b"m");
+        let l = golden_layout();
+        let base = KeyChain::new(&fp, &l, b"").raw_key(b"h1");
+        let others = [
+            KeyChain::new(&fp, &l, b"").raw_key(b"h2"),
+            KeyChain::new(&fp, &l, b"").raw_key(b"h1\0"),
+            KeyChain::new(&fp, &l, b"salt").raw_key(b"h1"),
+            KeyChain::new(&ModelFingerprint::of_bytes(b"n"), &l, b"").raw_key(b"h1"),
+            KeyChain::new(
+                &fp,
+                &KvLayout {
+                    arrangement: Arrangement::LayerMajor,
+                    ..l
+                },
+                b"",
+            )
+            .raw_key(b"h1"),
+            KeyChain::new(
+                &fp,
+                &KvLayout {
+                    shard: Some(TpShard { rank: 0, world: 2 }),
+                    ..l
+                },
+                b"",
+            )
+            .raw_key(b"h1"),
+        ];
+        for (i, k) in others.iter().enumerate() {
+            assert_ne!(*k, base, "variant {i}");
+        }
+        // A raw key never equals the token key of the same bytes.
+        let chain = KeyChain::new(&fp, &l, b"");
+        let tokens = [1u32, 2, 3, 4];
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_ne!(chain.raw_key(&bytes), chain.keys(&tokens)[0]);
+        // Every arrangement and each rank has its own seed.
+        let mut seeds = std::collections::HashSet::new();
+        for a in Arrangement::ALL {
+            for shard in [
+                None,
+                Some(TpShard { rank: 0, world: 2 }),
+                Some(TpShard { rank: 1, world: 2 }),
+            ] {
+                let l = KvLayout {
+                    arrangement: a,
+                    shard,
+                    ..l
+                };
+                assert!(seeds.insert(KeyChain::new(&fp, &l, b"").seed()), "{l}");
+            }
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub use block::{BlockBuf, BlockError};
 pub use disk::{DiskConfig, DiskError, DiskTier};
 pub use handle::Handle;
 pub use key::{BlockKey, KeyChain, ModelFingerprint};
-pub use kv_layout::{KvDtype, KvLayout, LayoutError};
+pub use kv_layout::{Arrangement, KvDtype, KvLayout, LayoutError, Part, TpShard};
 pub use metrics::{RemoteMetrics, StoreMetrics, Tier};
 pub use remote::{RemoteConfig, RemoteError, RemoteTier};
 pub use store::{

@@ -50,7 +50,7 @@ mod tests {
 
     use super::*;
     use crate::block::encode_block;
-    use crate::kv_layout::KvDtype;
+    use crate::kv_layout::{Arrangement, KvDtype};
 
     fn layout() -> KvLayout {
         KvLayout {
@@ -59,6 +59,8 @@ mod tests {
             head_dim: 8,
             block_tokens: 4,
             dtype: KvDtype::F32,
+            arrangement: Arrangement::KvMajor,
+            shard: None,
         }
     }
 

@@ -13,7 +13,7 @@
 //! therefore 8 KiB (one token); the largest 1 GiB.
 
 use kvtier_io::DIRECT_IO_ALIGN;
-use kvtier_store::{KvDtype, KvLayout};
+use kvtier_store::{Arrangement, KvDtype, KvLayout};
 
 /// Smallest block the bench accepts (one token of the bench layout).
 pub const MIN_BLOCK_BYTES: u64 = 8 << 10;
@@ -54,6 +54,8 @@ pub fn bench_layout(tokens: u64) -> Result<KvLayout, String> {
         block_tokens: u32::try_from(tokens)
             .map_err(|_| format!("{tokens} tokens per block is too many"))?,
         dtype: KvDtype::Bf16,
+        arrangement: Arrangement::KvMajor,
+        shard: None,
     };
     layout.validate().map_err(|e| e.to_string())?;
     Ok(layout)

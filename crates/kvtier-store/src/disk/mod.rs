@@ -7,7 +7,8 @@
 //! array of fixed-size **slots** in large preallocated (sparse) **segment
 //! files**: `DIR/kvtier-g3/<layout>/seg-<n>.kvt`, where `<layout>` names
 //! layers, KV heads, head dim, block tokens and dtype (e.g.
-//! `l2-h2-d64-t16-f32`), so stores of different layouts never share slots. Slot `s` lives in
+//! `l2-h2-d64-t16-f32`, plus the arrangement and shard when not KV-major
+//! and unsharded), so stores of different layouts never share slots. Slot `s` lives in
 //! directory `s % dirs` (striping), at local index `s / dirs`, in segment
 //! `local / slots_per_segment` at offset `(local % slots_per_segment) *
 //! slot_bytes`. No log, no compaction: a put overwrites a whole slot with one
@@ -62,7 +63,7 @@ use parking_lot::Mutex;
 
 use crate::block::BlockError;
 use crate::key::{BlockKey, ModelFingerprint};
-use crate::kv_layout::KvLayout;
+use crate::kv_layout::{Arrangement, KvLayout};
 use crate::metrics::TierMetrics;
 use crate::verify::BlockSpec;
 use slots::SlotTable;
@@ -376,15 +377,24 @@ impl DiskTier {
     }
 
     /// The directory a store rooted at `root` uses for blocks of `layout`.
+    /// An arrangement other than KV-major and a shard add their names:
+    /// `l2-h2-d64-t128-f32-layer-fused-tp1of2`.
     pub fn slot_dir(root: &Path, layout: &KvLayout) -> PathBuf {
-        root.join("kvtier-g3").join(format!(
+        let mut name = format!(
             "l{}-h{}-d{}-t{}-{}",
             layout.layers,
             layout.kv_heads,
             layout.head_dim,
             layout.block_tokens,
             layout.dtype.name()
-        ))
+        );
+        if layout.arrangement != Arrangement::KvMajor {
+            name = format!("{name}-{}", layout.arrangement.name());
+        }
+        if let Some(s) = layout.shard {
+            name = format!("{name}-tp{}of{}", s.rank, s.world);
+        }
+        root.join("kvtier-g3").join(name)
     }
 
     /// The layout of every block in this tier.

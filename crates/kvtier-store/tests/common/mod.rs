@@ -15,7 +15,8 @@ use kvtier_store::block::{HEADER_BYTES, decode_block, encode_block};
 use kvtier_store::metrics::TierMetrics;
 use kvtier_store::store::StoredBlock;
 use kvtier_store::{
-    BlockKey, DiskConfig, DiskTier, KvDtype, KvLayout, ModelFingerprint, StoreConfig, TieredStore,
+    Arrangement, BlockKey, DiskConfig, DiskTier, KvDtype, KvLayout, ModelFingerprint, StoreConfig,
+    TieredStore,
 };
 use xxhash_rust::xxh3::{xxh3_64, xxh3_128};
 
@@ -28,6 +29,8 @@ pub fn layout() -> KvLayout {
         head_dim: 64,
         block_tokens: 16,
         dtype: KvDtype::F32,
+        arrangement: Arrangement::KvMajor,
+        shard: None,
     }
 }
 
