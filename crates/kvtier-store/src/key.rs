@@ -6,7 +6,7 @@
 //! fingerprint, the KV layout (dtype included) and a tenant salt. A key thus
 //! names the whole prefix up to and including its block, and the longest
 //! cached prefix of a prompt is its longest run of leading keys found in any
-//! tier. docs/block-format.md pins the exact byte encoding and golden vectors.
+//! tier. docs/keys.md pins the exact byte encoding and golden vectors.
 
 use std::fmt;
 
@@ -273,7 +273,7 @@ mod tests {
 
     /// Pinned values: if these change, every stored block and every key in
     /// another process or machine stops matching. Change only with a new
-    /// KEYCHAIN_DOMAIN version and a note in docs/block-format.md.
+    /// KEYCHAIN_DOMAIN version and a note in docs/keys.md.
     /// Cross-checked against Python's `xxhash` 4.1 (`xxh3_128_intdigest`,
     /// little-endian bytes); `abc` is the canonical XXH128 test vector
     /// `06b05ab6733a618578af5f94892f3950` byte-reversed.
