@@ -7,6 +7,9 @@
 //! ([`remote`]: Redis/Valkey, S3), with eviction policies ([`eviction`])
 //! and an admission filter ([`admission`]). [`TieredStore`] ([`store`]) is
 //! the facade callers use; [`Handle`] is how its background reads report.
+//! Engines that own their KV memory load and save through [`transfer`]
+//! ([`TieredStore::load`], [`TieredStore::save`]: regions of the caller's
+//! memory, a [`Transfer`] handle, a [`BlockResult`] per block).
 
 pub mod admission;
 pub mod block;
@@ -19,6 +22,7 @@ pub mod memory;
 pub mod metrics;
 pub mod remote;
 pub mod store;
+pub mod transfer;
 pub mod verify;
 mod workers;
 
@@ -32,4 +36,5 @@ pub use remote::{RemoteConfig, RemoteError, RemoteTier};
 pub use store::{
     PrefixLookup, PutReport, StoreConfig, StoreError, StoreStats, StoredBlock, TieredStore,
 };
+pub use transfer::{BlockRegions, BlockResult, Transfer};
 pub use verify::BlockSpec;

@@ -119,6 +119,15 @@ impl DiskTier {
     /// Reads blocks into buffers from the allocation hook; `None` for a miss
     /// (including a corrupt block, which is deleted).
     pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<AlignedBuf>> {
+        self.read_outcomes(keys)
+            .into_iter()
+            .map(|(outcome, buf)| matches!(outcome, ReadOutcome::Hit).then_some(buf))
+            .collect()
+    }
+
+    /// Reads blocks into buffers from the allocation hook, with what each
+    /// read found, in the order of `keys`.
+    pub fn read_outcomes(&self, keys: &[BlockKey]) -> Vec<(ReadOutcome, AlignedBuf)> {
         let reqs = keys
             .iter()
             .map(|key| {
@@ -131,9 +140,19 @@ impl DiskTier {
                 (*key, buf)
             })
             .collect();
-        self.read_many(reqs)
-            .into_iter()
-            .map(|r| matches!(r.outcome, ReadOutcome::Hit).then_some(r.buf))
-            .collect()
+        // `read_many` keeps the order and drops only a result whose buffer
+        // the engine lost: match them up by key so nothing shifts.
+        let mut out: Vec<(ReadOutcome, AlignedBuf)> = Vec::with_capacity(keys.len());
+        let mut reads = self.read_many(reqs).into_iter().peekable();
+        for key in keys {
+            match reads.next_if(|r| r.key == *key) {
+                Some(r) => out.push((r.outcome, r.buf)),
+                None => out.push((
+                    ReadOutcome::Io(io::Error::other("the read's buffer was lost")),
+                    AlignedBuf::empty(),
+                )),
+            }
+        }
+        out
     }
 }

@@ -224,7 +224,7 @@ impl RemoteTier {
     /// Reads `keys`, each into a block buffer and checked (`None`: absent,
     /// or the pool failed; `Some(Err)`: the value there was refused).
     pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Fetched> {
-        self.get_batches(keys, false)
+        self.get_batches(keys, false).0
     }
 
     /// [`get_many`](Self::get_many) for the keys of a prefix: no batch is
@@ -232,11 +232,24 @@ impl RemoteTier {
     /// prompt whose prefix is short in the pool costs one batch, not one per
     /// key. One GET per key, no EXISTS first.
     pub fn get_leading(&self, keys: &[BlockKey]) -> Vec<Fetched> {
-        self.get_batches(keys, true)
+        self.get_batches(keys, true).0
     }
 
-    fn get_batches(&self, keys: &[BlockKey], stop_at_miss: bool) -> Vec<Fetched> {
+    /// [`get_many`](Self::get_many), saying why keys went unanswered: the
+    /// `Some((first, why))` when the pool failed (or its breaker is open)
+    /// from key `first` on, whose results are then `None` without being
+    /// misses.
+    pub fn get_many_reporting(&self, keys: &[BlockKey]) -> (Vec<Fetched>, Option<(usize, String)>) {
+        self.get_batches(keys, false)
+    }
+
+    fn get_batches(
+        &self,
+        keys: &[BlockKey],
+        stop_at_miss: bool,
+    ) -> (Vec<Fetched>, Option<(usize, String)>) {
         let mut out: Vec<Fetched> = Vec::with_capacity(keys.len());
+        let mut failed = None;
         for chunk in keys.chunks(self.batch_blocks) {
             let names: Vec<String> = chunk.iter().map(|k| self.name(k)).collect();
             let (n, landing, chunk) = (self.in_flight, self.landing.clone(), chunk.to_vec());
@@ -252,11 +265,14 @@ impl RemoteTier {
                         break;
                     }
                 }
-                Err(_) => break,
+                Err(e) => {
+                    failed = Some((out.len(), format!("G4 {}: {e}", self.shown())));
+                    break;
+                }
             }
         }
         out.resize_with(keys.len(), || None);
-        out
+        (out, failed)
     }
 
     /// Writes `blocks`; returns how many were written. Stops at the first

@@ -50,6 +50,7 @@ use crate::remote::{RemoteConfig, RemoteTier};
 use crate::verify::BlockSpec;
 use crate::workers::Workers;
 pub use store_error::StoreError;
+pub(crate) use tier_reads::Found;
 use write_back::{LocalBlock, WriteBack};
 use write_through::WriteThrough;
 
@@ -160,8 +161,10 @@ pub struct StoreStats {
     pub writeback_pending: usize,
 }
 
-/// Threads that run [`TieredStore::read_prefix_async`].
+/// Threads that run [`TieredStore::read_prefix_async`] and loads.
 const READ_WORKERS: usize = 2;
+/// Threads that run saves ([`TieredStore::save`]).
+const SAVE_WORKERS: usize = 2;
 
 struct Inner {
     layout: KvLayout,
@@ -174,6 +177,7 @@ struct Inner {
     metrics: Arc<StoreMetrics>,
     alloc: Arc<dyn HostAllocator>,
     readers: Workers,
+    savers: Workers,
 }
 
 /// The tiered KV block store. Cheap to clone (shared handle); thread-safe.
@@ -245,6 +249,8 @@ impl TieredStore {
         };
         let readers = Workers::spawn("kvtier-read", READ_WORKERS)
             .map_err(|e| StoreError::Task(format!("cannot start the reader threads: {e}")))?;
+        let savers = Workers::spawn("kvtier-save", SAVE_WORKERS)
+            .map_err(|e| StoreError::Task(format!("cannot start the saver threads: {e}")))?;
         Ok(Self {
             inner: Arc::new(Inner {
                 layout: config.layout,
@@ -257,6 +263,7 @@ impl TieredStore {
                 metrics,
                 alloc,
                 readers,
+                savers,
             }),
         })
     }
@@ -329,6 +336,21 @@ impl TieredStore {
             .collect()
     }
 
+    /// True for each of `keys` that G2, the write-back queue or G3 holds.
+    pub(crate) fn holds_locally(&self, keys: &[BlockKey]) -> Vec<bool> {
+        self.local_tiers(keys).iter().map(Option::is_some).collect()
+    }
+
+    /// The threads that run background reads and loads.
+    pub(crate) fn readers(&self) -> &Workers {
+        &self.inner.readers
+    }
+
+    /// The threads that run saves.
+    pub(crate) fn savers(&self) -> &Workers {
+        &self.inner.savers
+    }
+
     /// How many leading `keys` are cached, and in which tier each is,
     /// without reading them (no side effects). The keys past the local
     /// prefix are looked up in G4 in one batch.
@@ -392,6 +414,12 @@ impl TieredStore {
     /// dropped from the cache and counted instead. For callers on a
     /// latency-critical thread (an engine's decode loop).
     pub fn offer(&self, blocks: Vec<(BlockKey, BlockBuf)>) -> PutReport {
+        self.store_filled(blocks, false)
+    }
+
+    /// Seals and stores blocks filled in place; `wait` for room in the
+    /// write-back queue, or drop past its bound ([`offer`](Self::offer)).
+    pub(crate) fn store_filled(&self, blocks: Vec<(BlockKey, BlockBuf)>, wait: bool) -> PutReport {
         let inner = &self.inner;
         self.record_sightings(blocks.iter().map(|(k, _)| k));
         let mut present = 0;
@@ -403,7 +431,7 @@ impl TieredStore {
             }
             encoded.push((key, Arc::new(block.seal(key, inner.fingerprint, 0))));
         }
-        let mut report = self.insert(encoded, false);
+        let mut report = self.insert(encoded, wait);
         report.present += present;
         report
     }

@@ -16,6 +16,10 @@ pub enum StoreError {
     /// A block could not be encoded (wrong payload length, allocation).
     #[error(transparent)]
     Block(#[from] BlockError),
+    /// The caller's memory for a load or save does not fit the blocks (a
+    /// gap, an overlap, a piece past the payload, one buffer too few).
+    #[error("bad block buffers: {0}")]
+    Regions(String),
     /// A background task failed.
     #[error("store task failed: {0}")]
     Task(String),

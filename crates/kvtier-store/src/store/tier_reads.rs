@@ -3,6 +3,12 @@
 //! time, every block is verified where it lands, and hits from below G2 are
 //! promoted into G2.
 //!
+//! Each key's outcome is kept ([`Found`]): a hit, a miss, a block that
+//! failed verification (deleted from its tier) or a read that failed.
+//! [`TieredStore::get_many`] and [`TieredStore::read_prefix`] see only hits
+//! (the rest is counted and logged); the transfers of outside engines
+//! (`transfer`) report every outcome per block.
+//!
 //! [`TieredStore::read_prefix`] wants the leading run of cached blocks: it
 //! reads G3 only up to the first key no local tier holds when there is no
 //! G4, asks G4 with GETs alone (no EXISTS first) and sends no GET batch
@@ -13,9 +19,32 @@ use std::sync::Arc;
 use kvtier_io::AlignedBuf;
 
 use super::{StoredBlock, TieredStore};
+use crate::disk::ReadOutcome;
 use crate::key::BlockKey;
 use crate::metrics::Tier;
 use crate::remote::Fetched;
+
+/// What one key's read found.
+#[derive(Debug)]
+pub(crate) enum Found {
+    /// Found, verified, and (from below G2) promoted into G2.
+    Hit(StoredBlock),
+    /// No tier holds it.
+    Miss,
+    /// A tier held it but it failed verification; deleted there.
+    Corrupt(String),
+    /// Reading it failed (I/O error, G4 unreachable): no tier answered.
+    Failed(String),
+}
+
+impl Found {
+    fn hit(self) -> Option<StoredBlock> {
+        match self {
+            Found::Hit(b) => Some(b),
+            _ => None,
+        }
+    }
+}
 
 impl TieredStore {
     /// Reads `keys`: G2 hits from memory, every G3 hit in one batch with
@@ -24,6 +53,9 @@ impl TieredStore {
     /// verification is a miss, and is deleted from its tier).
     pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<StoredBlock>> {
         self.fetch(keys, false)
+            .into_iter()
+            .map(Found::hit)
+            .collect()
     }
 
     /// The longest run of leading `keys` cached in any tier, read and
@@ -32,11 +64,14 @@ impl TieredStore {
     pub fn read_prefix(&self, keys: &[BlockKey]) -> Vec<StoredBlock> {
         self.fetch(keys, true)
             .into_iter()
-            .map_while(|b| b)
+            .map_while(Found::hit)
             .collect()
     }
 
-    fn fetch(&self, keys: &[BlockKey], leading: bool) -> Vec<Option<StoredBlock>> {
+    /// Reads `keys` through every tier (see the module docs); with
+    /// `leading`, only as far as the leading run of cached blocks can go
+    /// (the outcomes past it are misses).
+    pub(crate) fn fetch(&self, keys: &[BlockKey], leading: bool) -> Vec<Found> {
         let inner = &self.inner;
         let payload_len = inner.layout.payload_bytes() as usize;
         let block = |i: usize, tier: Tier, buf: Arc<AlignedBuf>| StoredBlock {
@@ -59,20 +94,22 @@ impl TieredStore {
             g2.read_bytes.inc_by(bytes as u64);
         }
         inner.memory.get_many(keys, &mut in_g2);
-        let mut out: Vec<Option<StoredBlock>> = in_g2
+        let mut out: Vec<Found> = in_g2
             .into_iter()
             .enumerate()
-            .map(|(i, b)| b.map(|b| block(i, Tier::G2, b)))
+            .map(|(i, b)| b.map_or(Found::Miss, |b| Found::Hit(block(i, Tier::G2, b))))
             .collect();
         self.record_sightings(
             keys.iter()
                 .zip(&out)
-                .filter(|(_, b)| b.is_some())
+                .filter(|(_, b)| matches!(b, Found::Hit(_)))
                 .map(|(k, _)| k),
         );
 
         // Below G2: which keys G3 holds (one lock), the rest from G4.
-        let missing: Vec<usize> = (0..keys.len()).filter(|&i| out[i].is_none()).collect();
+        let missing: Vec<usize> = (0..keys.len())
+            .filter(|&i| !matches!(out[i], Found::Hit(_)))
+            .collect();
         let missing_keys: Vec<BlockKey> = missing.iter().map(|&i| keys[i]).collect();
         let in_g3 = match self.disk() {
             Some(d) => d.contains_many(&missing_keys),
@@ -99,13 +136,13 @@ impl TieredStore {
         let g3_keys: Vec<BlockKey> = from_g3.iter().map(|&i| keys[i]).collect();
         let g4_keys: Vec<BlockKey> = from_g4.iter().map(|&i| keys[i]).collect();
         let read_g3 = || match self.disk() {
-            Some(d) if !g3_keys.is_empty() => d.get_many(&g3_keys),
+            Some(d) if !g3_keys.is_empty() => d.read_outcomes(&g3_keys),
             _ => Vec::new(),
         };
         let read_g4 = || match remote {
-            Some(r) if !g4_keys.is_empty() && leading => r.get_leading(&g4_keys),
-            Some(r) if !g4_keys.is_empty() => r.get_many(&g4_keys),
-            _ => Vec::new(),
+            Some(r) if !g4_keys.is_empty() && leading => (r.get_leading(&g4_keys), None),
+            Some(r) if !g4_keys.is_empty() => r.get_many_reporting(&g4_keys),
+            _ => (Vec::new(), None),
         };
         // Both tiers' reads in flight at once: G4 on a second thread (it
         // mostly waits on the network), G3 here.
@@ -119,21 +156,31 @@ impl TieredStore {
             })
         };
 
+        let (got_g4, g4_failed) = got_g4;
         let mut evicted = Vec::new();
-        for (&i, buf) in from_g3.iter().zip(got_g3) {
-            let Some(buf) = buf else { continue };
-            let buf = Arc::new(buf);
-            evicted.extend(inner.memory.insert(keys[i], buf.clone(), true));
-            out[i] = Some(block(i, Tier::G3, buf));
-        }
-        for (&i, got) in from_g4.iter().zip(got_g4) {
-            let Some(buf) = self.landed_g4(&keys[i], got) else {
-                continue;
+        for (&i, (outcome, buf)) in from_g3.iter().zip(got_g3) {
+            out[i] = match outcome {
+                ReadOutcome::Hit => {
+                    let buf = Arc::new(buf);
+                    evicted.extend(inner.memory.insert(keys[i], buf.clone(), true));
+                    Found::Hit(block(i, Tier::G3, buf))
+                }
+                ReadOutcome::Miss => Found::Miss,
+                ReadOutcome::Corrupt(e) => Found::Corrupt(format!("G3: {e}")),
+                ReadOutcome::Io(e) => Found::Failed(format!("G3 read: {e}")),
             };
-            let buf = Arc::new(buf);
-            // Not persisted locally: G3 gets it when G2 evicts it.
-            evicted.extend(inner.memory.insert(keys[i], buf.clone(), false));
-            out[i] = Some(block(i, Tier::G4, buf));
+        }
+        for (j, (&i, got)) in from_g4.iter().zip(got_g4).enumerate() {
+            let unanswered = g4_failed.as_ref().filter(|(first, _)| j >= *first);
+            let found = match (got, unanswered) {
+                (None, Some((_, why))) => Found::Failed(why.clone()),
+                (got, _) => self.landed_g4(&keys[i], got),
+            };
+            if let Found::Hit(b) = &found {
+                // Not persisted locally: G3 gets it when G2 evicts it.
+                evicted.extend(inner.memory.insert(keys[i], b.buf.clone(), false));
+            }
+            out[i] = found;
         }
         self.demote(evicted, false);
         out
@@ -141,12 +188,18 @@ impl TieredStore {
 
     /// A G4 result as a hit or a miss, counted; a value refused by the
     /// check is deleted from the pool so no node reads it again.
-    fn landed_g4(&self, key: &BlockKey, got: Fetched) -> Option<AlignedBuf> {
+    fn landed_g4(&self, key: &BlockKey, got: Fetched) -> Found {
         let g4 = &self.inner.metrics.g4;
+        let payload_len = self.inner.layout.payload_bytes() as usize;
         match got {
             Some(Ok(buf)) => {
                 g4.hits.inc();
-                Some(buf)
+                Found::Hit(StoredBlock {
+                    key: *key,
+                    tier: Tier::G4,
+                    buf: Arc::new(buf),
+                    payload_len,
+                })
             }
             Some(Err(why)) => {
                 tracing::warn!("G4 block {key} failed verification ({why}); deleting it");
@@ -155,11 +208,11 @@ impl TieredStore {
                 if let Some(r) = self.remote() {
                     r.delete(key);
                 }
-                None
+                Found::Corrupt(format!("G4: {why}"))
             }
             None => {
                 g4.misses.inc();
-                None
+                Found::Miss
             }
         }
     }

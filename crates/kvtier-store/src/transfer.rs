@@ -1,0 +1,459 @@
+//! Loads and saves between the store and memory the caller owns: the
+//! interface for engines that keep their own KV pages (vLLM's CPU or GPU
+//! block tensors, a PyTorch buffer).
+//!
+//! * The caller names each block's memory as [`BlockRegions`]: pieces of
+//!   its own memory, each mapped to a byte range of the block's payload
+//!   ([`KvLayout::layer_range`], [`KvLayout::part_range`] give the ranges
+//!   of an arrangement), together covering the payload exactly. A vLLM CPU
+//!   page is one piece per layer (`layer-fused`), found in that layer's
+//!   `[num_blocks, ...]` tensor at the block's index.
+//! * [`TieredStore::load`] and [`TieredStore::save`] return a [`Transfer`]
+//!   at once: the work runs on the store's threads, the caller's thread
+//!   never blocks unless it waits. A transfer reports one [`BlockResult`]
+//!   per block: hit (and from which tier), miss, corrupt (the block failed
+//!   verification and was deleted; never copied), error (a read failed, G4
+//!   did not answer) and, for saves, stored or present. Errors are never
+//!   reported as misses.
+//! * **Cancel** ([`Transfer::cancel`]): blocks not yet copied are left
+//!   alone and report [`BlockResult::Cancelled`]; every block that reports
+//!   anything else was copied whole (or, for a miss, not touched).
+//!   Dropping a transfer cancels it and waits for the block being copied,
+//!   so the caller's memory is never written after the handle is gone.
+//!
+//! # Copies
+//!
+//! One copy per block each way, between the caller's memory and the
+//! store's block buffer, which is also the block's G2 copy (hits from G3
+//! or G4 are promoted into G2) and the buffer G3's direct I/O reads into
+//! and writes from. Direct I/O cannot land in the caller's memory itself:
+//! a slot's payload starts 128 bytes in (after the header), off the device
+//! block alignment `O_DIRECT` demands, and the header and checksums must be
+//! checked before a byte reaches the caller. So this is the one bounce
+//! direct I/O demands, and it is the only copy.
+//!
+//! Work is cut into chunks of [`CHUNK_BLOCKS`], run by the store's reader
+//! (loads) or saver (saves) threads, so one chunk's copies overlap the
+//! next one's reads.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::key::BlockKey;
+use crate::kv_layout::KvLayout;
+use crate::metrics::Tier;
+use crate::store::{StoreError, TieredStore};
+
+/// Blocks per unit of work on a store thread.
+pub const CHUNK_BLOCKS: usize = 16;
+
+/// What a load or a save did with one block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlockResult {
+    /// Loaded: found in this tier, verified, copied into the caller's
+    /// memory.
+    Hit(Tier),
+    /// Loaded: no tier holds it; the caller's memory was not touched.
+    Miss,
+    /// Loaded: a tier held it but it failed verification (so it was
+    /// deleted there and not copied); why.
+    Corrupt(String),
+    /// The read or the save failed (an I/O error, G4 unreachable, no
+    /// memory for the block); why. The caller's memory was not touched.
+    Error(String),
+    /// Saved: stored in G2 and queued for G3 (and G4).
+    Stored,
+    /// Saved: the store already held it; nothing copied.
+    Present,
+    /// Cancelled before it was copied; the caller's memory was not
+    /// touched.
+    Cancelled,
+}
+
+impl BlockResult {
+    /// The lower-case name the Python API and logs use: `hit`, `miss`,
+    /// `corrupt`, `error`, `stored`, `present`, `cancelled`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            BlockResult::Hit(_) => "hit",
+            BlockResult::Miss => "miss",
+            BlockResult::Corrupt(_) => "corrupt",
+            BlockResult::Error(_) => "error",
+            BlockResult::Stored => "stored",
+            BlockResult::Present => "present",
+            BlockResult::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// One piece of caller memory and the payload bytes it holds.
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    /// Where in the payload the piece starts.
+    offset: usize,
+    ptr: *mut u8,
+    len: usize,
+}
+
+/// The caller's memory for one block's payload: pieces that together
+/// cover every payload byte exactly once.
+#[derive(Debug)]
+pub struct BlockRegions {
+    regions: Vec<Region>,
+}
+
+// SAFETY: the memory is the caller's, which promised (in `from_raw`) that
+// it stays valid and unused by others until the transfer finishes; the
+// pointers are only dereferenced by the one store thread running the block.
+unsafe impl Send for BlockRegions {}
+
+impl BlockRegions {
+    /// Pieces `(payload offset, pointer, length)` of one block's payload,
+    /// checked to cover `layout`'s payload exactly once (in any order).
+    ///
+    /// # Safety
+    ///
+    /// Each pointer must be valid for `length` bytes of reads (a save) or
+    /// writes (a load) until the [`Transfer`] it is given to has finished
+    /// ([`Transfer::is_done`], [`Transfer::wait`], or its drop), and nothing
+    /// else may write those bytes (or, for a load, read them) meanwhile.
+    pub unsafe fn from_raw(
+        layout: &KvLayout,
+        pieces: &[(u64, *mut u8, usize)],
+    ) -> Result<Self, StoreError> {
+        let payload = layout.payload_bytes();
+        let mut regions: Vec<Region> = Vec::with_capacity(pieces.len());
+        for &(offset, ptr, len) in pieces {
+            let end = offset.checked_add(len as u64);
+            if ptr.is_null() || end.is_none_or(|e| e > payload) {
+                return Err(StoreError::Regions(format!(
+                    "piece at payload offset {offset} of {len} bytes is null or ends past the {payload}-byte payload"
+                )));
+            }
+            regions.push(Region {
+                offset: offset as usize,
+                ptr,
+                len,
+            });
+        }
+        regions.sort_by_key(|r| r.offset);
+        let mut at = 0usize;
+        for r in &regions {
+            if r.offset != at {
+                return Err(StoreError::Regions(format!(
+                    "pieces must cover the {payload}-byte payload exactly: {} at byte {at}",
+                    if r.offset > at { "a gap" } else { "an overlap" }
+                )));
+            }
+            at += r.len;
+        }
+        if at as u64 != payload {
+            return Err(StoreError::Regions(format!(
+                "pieces cover {at} of the {payload}-byte payload"
+            )));
+        }
+        Ok(Self { regions })
+    }
+
+    /// Copies `payload` into the caller's memory.
+    fn fill_from(&self, payload: &[u8]) {
+        for r in &self.regions {
+            // SAFETY: `from_raw`'s contract; the range was checked against
+            // the layout's payload length, which `payload` has.
+            unsafe {
+                std::ptr::copy_nonoverlapping(payload.as_ptr().add(r.offset), r.ptr, r.len);
+            }
+        }
+    }
+
+    /// Copies the caller's memory into `payload`.
+    fn copy_to(&self, payload: &mut [u8]) {
+        for r in &self.regions {
+            // SAFETY: as in `fill_from`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(r.ptr, payload.as_mut_ptr().add(r.offset), r.len);
+            }
+        }
+    }
+}
+
+struct State {
+    results: Vec<Option<BlockResult>>,
+    /// Chunks not finished yet.
+    chunks_left: usize,
+    notify: Option<Box<dyn FnOnce() + Send>>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    finished: Condvar,
+    cancelled: std::sync::atomic::AtomicBool,
+}
+
+impl Shared {
+    fn is_cancelled(&self) -> bool {
+        self.cancelled.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Records a chunk's results; the last chunk wakes the waiters and runs
+    /// the callback.
+    fn chunk_done(&self, first: usize, results: Vec<BlockResult>) {
+        let notify = {
+            let mut st = self.state.lock();
+            for (slot, r) in st.results[first..].iter_mut().zip(results) {
+                *slot = Some(r);
+            }
+            st.chunks_left -= 1;
+            if st.chunks_left > 0 {
+                return;
+            }
+            st.notify.take()
+        };
+        self.finished.notify_all();
+        if let Some(n) = notify {
+            n();
+        }
+    }
+}
+
+/// A load or save running on the store's threads (see the module docs).
+pub struct Transfer {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("blocks", &self.len())
+            .field("done", &self.is_done())
+            .finish()
+    }
+}
+
+impl Transfer {
+    fn start(blocks: usize, chunks: usize, notify: Option<Box<dyn FnOnce() + Send>>) -> Self {
+        let t = Transfer {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    results: vec![None; blocks],
+                    chunks_left: chunks,
+                    notify,
+                }),
+                finished: Condvar::new(),
+                cancelled: Default::default(),
+            }),
+        };
+        if chunks == 0 {
+            // Nothing to do: done at once.
+            let notify = t.shared.state.lock().notify.take();
+            if let Some(n) = notify {
+                n();
+            }
+        }
+        t
+    }
+
+    /// Blocks in the transfer.
+    pub fn len(&self) -> usize {
+        self.shared.state.lock().results.len()
+    }
+
+    /// True for a transfer of no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// True once every block has its result ([`wait`](Self::wait) will not
+    /// block).
+    pub fn is_done(&self) -> bool {
+        self.shared.state.lock().chunks_left == 0
+    }
+
+    /// Blocks that have their result so far.
+    pub fn finished_blocks(&self) -> usize {
+        let st = self.shared.state.lock();
+        st.results.iter().filter(|r| r.is_some()).count()
+    }
+
+    /// Waits until every block has its result and returns them, in the
+    /// order of the keys. Can be called again.
+    pub fn wait(&self) -> Vec<BlockResult> {
+        let mut st = self.shared.state.lock();
+        while st.chunks_left > 0 {
+            self.shared.finished.wait(&mut st);
+        }
+        Self::collect(&st)
+    }
+
+    /// [`wait`](Self::wait) for at most `limit`; `None` if not done by then.
+    pub fn wait_timeout(&self, limit: Duration) -> Option<Vec<BlockResult>> {
+        let deadline = Instant::now() + limit;
+        let mut st = self.shared.state.lock();
+        while st.chunks_left > 0 {
+            if self
+                .shared
+                .finished
+                .wait_until(&mut st, deadline)
+                .timed_out()
+            {
+                return (st.chunks_left == 0).then(|| Self::collect(&st));
+            }
+        }
+        Some(Self::collect(&st))
+    }
+
+    fn collect(st: &State) -> Vec<BlockResult> {
+        st.results
+            .iter()
+            .map(|r| r.clone().unwrap_or(BlockResult::Cancelled))
+            .collect()
+    }
+
+    /// Asks the transfer to stop: blocks not yet copied report
+    /// [`BlockResult::Cancelled`] and their memory is left alone. Returns
+    /// at once; [`wait`](Self::wait) tells which blocks were done.
+    pub fn cancel(&self) {
+        self.shared
+            .cancelled
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        // The caller's memory must not be written once the handle is gone.
+        self.cancel();
+        self.wait();
+    }
+}
+
+impl TieredStore {
+    /// Loads the blocks of `keys` into the caller's memory `dests` (one
+    /// [`BlockRegions`] per key) on the store's reader threads; returns at
+    /// once. Each block is read from the highest tier holding it, verified,
+    /// copied whole, and reported ([`BlockResult`]). `notify` runs once
+    /// every block has its result (from a store thread: keep it short).
+    pub fn load(
+        &self,
+        keys: Vec<BlockKey>,
+        dests: Vec<BlockRegions>,
+        notify: Option<Box<dyn FnOnce() + Send>>,
+    ) -> Result<Transfer, StoreError> {
+        self.transfer(keys, dests, notify, false)
+    }
+
+    /// Saves the caller's memory `srcs` (one [`BlockRegions`] per key) as
+    /// the blocks of `keys` on the store's saver threads; returns at once.
+    /// Each block the store lacks is copied into a block buffer, sealed,
+    /// kept in G2 and queued for G3 (and G4) like
+    /// [`put_many`](Self::put_many), waiting on a store thread (never the
+    /// caller's) when the write-back queue is full. Once the transfer is
+    /// done the caller's memory may be reused.
+    pub fn save(
+        &self,
+        keys: Vec<BlockKey>,
+        srcs: Vec<BlockRegions>,
+        notify: Option<Box<dyn FnOnce() + Send>>,
+    ) -> Result<Transfer, StoreError> {
+        self.transfer(keys, srcs, notify, true)
+    }
+
+    fn transfer(
+        &self,
+        keys: Vec<BlockKey>,
+        mut regions: Vec<BlockRegions>,
+        notify: Option<Box<dyn FnOnce() + Send>>,
+        save: bool,
+    ) -> Result<Transfer, StoreError> {
+        if keys.len() != regions.len() {
+            return Err(StoreError::Regions(format!(
+                "{} keys but {} block buffers",
+                keys.len(),
+                regions.len()
+            )));
+        }
+        let chunks = keys.len().div_ceil(CHUNK_BLOCKS);
+        let transfer = Transfer::start(keys.len(), chunks, notify);
+        for (c, chunk_keys) in keys.chunks(CHUNK_BLOCKS).enumerate() {
+            let first = c * CHUNK_BLOCKS;
+            let chunk_regions: Vec<BlockRegions> = regions
+                .drain(..chunk_keys.len().min(regions.len()))
+                .collect();
+            let (store, shared, chunk_keys) =
+                (self.clone(), transfer.shared.clone(), chunk_keys.to_vec());
+            let job: Box<dyn FnOnce() + Send> = Box::new(move || {
+                let results = if shared.is_cancelled() {
+                    vec![BlockResult::Cancelled; chunk_keys.len()]
+                } else if save {
+                    store.save_chunk(&chunk_keys, &chunk_regions, &shared)
+                } else {
+                    store.load_chunk(&chunk_keys, &chunk_regions, &shared)
+                };
+                shared.chunk_done(first, results);
+            });
+            let pool = if save { self.savers() } else { self.readers() };
+            if let Err(job) = pool.submit(job) {
+                // No thread to run it: run it here rather than lose it.
+                job();
+            }
+        }
+        Ok(transfer)
+    }
+
+    fn load_chunk(
+        &self,
+        keys: &[BlockKey],
+        dests: &[BlockRegions],
+        shared: &Shared,
+    ) -> Vec<BlockResult> {
+        use crate::store::Found;
+        self.fetch(keys, false)
+            .into_iter()
+            .zip(dests)
+            .map(|(found, dest)| match found {
+                _ if shared.is_cancelled() => BlockResult::Cancelled,
+                Found::Hit(block) => {
+                    dest.fill_from(block.payload());
+                    BlockResult::Hit(block.tier)
+                }
+                Found::Miss => BlockResult::Miss,
+                Found::Corrupt(why) => BlockResult::Corrupt(why),
+                Found::Failed(why) => BlockResult::Error(why),
+            })
+            .collect()
+    }
+
+    fn save_chunk(
+        &self,
+        keys: &[BlockKey],
+        srcs: &[BlockRegions],
+        shared: &Shared,
+    ) -> Vec<BlockResult> {
+        let held = self.holds_locally(keys);
+        let mut results = Vec::with_capacity(keys.len());
+        let mut sealed = Vec::new();
+        for ((key, src), held) in keys.iter().zip(srcs).zip(held) {
+            let r = if shared.is_cancelled() {
+                BlockResult::Cancelled
+            } else if held {
+                BlockResult::Present
+            } else {
+                match self.new_block() {
+                    Ok(mut block) => {
+                        src.copy_to(block.payload_mut());
+                        sealed.push((*key, block));
+                        BlockResult::Stored
+                    }
+                    Err(e) => BlockResult::Error(e.to_string()),
+                }
+            };
+            results.push(r);
+        }
+        if !sealed.is_empty() {
+            self.store_filled(sealed, true);
+        }
+        results
+    }
+}

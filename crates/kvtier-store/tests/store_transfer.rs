@@ -1,0 +1,373 @@
+//! Loads and saves between the store and memory the caller owns
+//! (`TieredStore::load` / `save`): every arrangement round-trips through
+//! G2, G3 and a restart; corrupt, missing and unreachable blocks are each
+//! reported as such and leave the caller's memory untouched; cancelled
+//! blocks are never written; bad buffers are refused.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvtier_store::{
+    Arrangement, BlockKey, BlockRegions, BlockResult, KeyChain, KvDtype, KvLayout, Part,
+    RemoteConfig, StoreConfig, Tier, TieredStore, Transfer,
+};
+
+/// An engine's KV cache for one layout: per layer a tensor of `blocks`
+/// pages, each page one layer's bytes of one block (the shape of vLLM's
+/// CPU cache, `[num_blocks, ...]` per layer).
+struct Cache {
+    layout: KvLayout,
+    layers: Vec<Vec<u8>>,
+}
+
+impl Cache {
+    fn new(layout: KvLayout, blocks: usize, fill: u8) -> Self {
+        let page = layer_bytes(&layout);
+        Self {
+            layout,
+            layers: (0..layout.layers)
+                .map(|_| vec![fill; page * blocks])
+                .collect(),
+        }
+    }
+
+    /// Fills page `page` of every layer with bytes that are a function of
+    /// `seed`, the layer and the position.
+    fn fill_page(&mut self, page: usize, seed: u64) {
+        let n = layer_bytes(&self.layout);
+        for (l, t) in self.layers.iter_mut().enumerate() {
+            let want = payload_for(&key(seed * 1000 + l as u64), n);
+            t[page * n..(page + 1) * n].copy_from_slice(&want);
+        }
+    }
+
+    fn page(&self, layer: usize, page: usize) -> &[u8] {
+        let n = layer_bytes(&self.layout);
+        &self.layers[layer][page * n..(page + 1) * n]
+    }
+
+    /// The regions of page `page`: one per layer where a layer is
+    /// contiguous in the payload, else K and V of each layer (kv-major),
+    /// each half of the page.
+    fn regions(&mut self, page: usize) -> BlockRegions {
+        let layout = self.layout;
+        let n = layer_bytes(&layout);
+        let mut pieces = Vec::new();
+        for (l, t) in self.layers.iter_mut().enumerate() {
+            let base = t[page * n..].as_mut_ptr();
+            let l = l as u32;
+            match layout.layer_range(l) {
+                Some(r) => pieces.push((r.start, base, n)),
+                None => {
+                    let (k, v) = (
+                        layout.part_range(l, Part::K).expect("K"),
+                        layout.part_range(l, Part::V).expect("V"),
+                    );
+                    let half = n / 2;
+                    pieces.push((k.start, base, half));
+                    // SAFETY: `half` is within the page.
+                    pieces.push((v.start, unsafe { base.add(half) }, half));
+                }
+            }
+        }
+        // SAFETY: the pages live in `self`, which every test keeps alive and
+        // leaves alone until the transfer is waited for.
+        unsafe { BlockRegions::from_raw(&layout, &pieces) }.expect("regions")
+    }
+
+    fn all_regions(&mut self, pages: std::ops::Range<usize>) -> Vec<BlockRegions> {
+        pages.map(|p| self.regions(p)).collect()
+    }
+}
+
+fn layer_bytes(l: &KvLayout) -> usize {
+    (l.region_bytes() * u64::from(l.arrangement.parts())) as usize
+}
+
+fn config(layout: KvLayout, dir: &std::path::Path, g2_blocks: u64) -> StoreConfig {
+    let slot = layout.encoded_bytes();
+    let mut c = StoreConfig::new(layout, fingerprint());
+    c.memory_bytes = g2_blocks * slot;
+    let mut dc = kvtier_store::DiskConfig::new(vec![dir.to_path_buf()], 256 * slot, layout);
+    dc.segment_bytes = 64 * slot;
+    c.disk = Some(dc);
+    c
+}
+
+fn chain_keys(layout: &KvLayout, n: u64) -> Vec<BlockKey> {
+    let chain = KeyChain::new(&fingerprint(), layout, b"");
+    (0..n).map(|i| chain.raw_key(&i.to_le_bytes())).collect()
+}
+
+fn wait(t: Transfer) -> Vec<BlockResult> {
+    t.wait_timeout(Duration::from_secs(60))
+        .expect("the transfer finishes")
+}
+
+#[test]
+fn every_arrangement_round_trips_through_g2_g3_and_a_restart() {
+    for arrangement in Arrangement::ALL {
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            let layout = KvLayout {
+                arrangement,
+                ..KvLayout::kv_major(3, 2, 16, 8, dtype)
+            };
+            let dir = tempfile::tempdir().unwrap();
+            let keys = chain_keys(&layout, 40);
+            let mut src = Cache::new(layout, 40, 0);
+            for p in 0..40 {
+                src.fill_page(p, p as u64);
+            }
+            {
+                let store = TieredStore::open(config(layout, dir.path(), 64)).unwrap();
+                let saved = wait(
+                    store
+                        .save(keys.clone(), src.all_regions(0..40), None)
+                        .unwrap(),
+                );
+                assert_eq!(saved, vec![BlockResult::Stored; 40], "{layout}");
+                // Saving again finds them.
+                let again = wait(
+                    store
+                        .save(keys[..3].to_vec(), src.all_regions(0..3), None)
+                        .unwrap(),
+                );
+                assert_eq!(again, vec![BlockResult::Present; 3]);
+
+                let mut dst = Cache::new(layout, 40, 0xAA);
+                let got = wait(
+                    store
+                        .load(keys.clone(), dst.all_regions(0..40), None)
+                        .unwrap(),
+                );
+                assert_eq!(got, vec![BlockResult::Hit(Tier::G2); 40], "{layout}");
+                assert_eq!(dst.layers, src.layers, "{layout}: loaded bytes differ");
+
+                // From G3: empty G2 first.
+                store.evict_memory().unwrap();
+                let mut dst = Cache::new(layout, 40, 0x55);
+                let got = wait(
+                    store
+                        .load(keys.clone(), dst.all_regions(0..40), None)
+                        .unwrap(),
+                );
+                assert_eq!(got, vec![BlockResult::Hit(Tier::G3); 40], "{layout}");
+                assert_eq!(dst.layers, src.layers, "{layout}: bytes from G3 differ");
+                store.close().unwrap();
+            }
+            // A new process (store) finds them on disk.
+            let store = TieredStore::open(config(layout, dir.path(), 64)).unwrap();
+            assert_eq!(store.lookup_prefix(&keys).hits_in(Tier::G3), 40);
+            let mut dst = Cache::new(layout, 40, 0x11);
+            // Load into other pages, in reverse: page p gets block 39 - p.
+            let dests: Vec<BlockRegions> = (0..40).rev().map(|p| dst.regions(p)).collect();
+            let got = wait(store.load(keys.clone(), dests, None).unwrap());
+            assert!(
+                got.iter().all(|r| *r == BlockResult::Hit(Tier::G3)),
+                "{got:?}"
+            );
+            for p in 0..40 {
+                for l in 0..layout.layers as usize {
+                    assert_eq!(
+                        dst.page(l, 39 - p),
+                        src.page(l, p),
+                        "{layout} page {p} layer {l}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn corrupt_and_missing_blocks_are_reported_and_never_copied() {
+    let layout = KvLayout::vllm_cpu(2, 2, 64, 16, KvDtype::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let keys = chain_keys(&layout, 8);
+    let mut src = Cache::new(layout, 8, 0);
+    for p in 0..8 {
+        src.fill_page(p, p as u64 + 7);
+    }
+    let store = TieredStore::open(config(layout, dir.path(), 64)).unwrap();
+    wait(
+        store
+            .save(keys.clone(), src.all_regions(0..8), None)
+            .unwrap(),
+    );
+    store.evict_memory().unwrap();
+    // Flip a payload byte of block 3 on disk.
+    let (path, off) = store
+        .disk()
+        .unwrap()
+        .locate_key(&keys[3])
+        .expect("block 3 on disk");
+    flip_byte(&path, off + 128 + 1000);
+
+    let mut want = keys.clone();
+    let unknown = KeyChain::new(&fingerprint(), &layout, b"").raw_key(b"never saved");
+    want.push(unknown);
+    let mut dst = Cache::new(layout, 9, 0xEE);
+    let got = wait(store.load(want, dst.all_regions(0..9), None).unwrap());
+    for (i, r) in got.iter().enumerate() {
+        match i {
+            3 => assert!(
+                matches!(r, BlockResult::Corrupt(why) if why.contains("checksum")),
+                "block 3: {r:?}"
+            ),
+            8 => assert_eq!(*r, BlockResult::Miss),
+            _ => assert_eq!(*r, BlockResult::Hit(Tier::G3), "block {i}"),
+        }
+    }
+    for l in 0..2 {
+        assert!(
+            dst.page(l, 3).iter().all(|&b| b == 0xEE),
+            "the corrupt block was copied"
+        );
+        assert!(
+            dst.page(l, 8).iter().all(|&b| b == 0xEE),
+            "a miss wrote memory"
+        );
+        for p in [0, 2, 4, 7] {
+            assert_eq!(dst.page(l, p), src.page(l, p));
+        }
+    }
+    // The corrupt block was deleted: now a miss.
+    let mut again = Cache::new(layout, 1, 0);
+    let got = wait(
+        store
+            .load(vec![keys[3]], again.all_regions(0..1), None)
+            .unwrap(),
+    );
+    assert_eq!(got, vec![BlockResult::Miss]);
+}
+
+#[test]
+fn a_cancelled_load_writes_only_the_blocks_it_reports() {
+    let layout = KvLayout::vllm_cpu(2, 2, 64, 16, KvDtype::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let n = 200;
+    let keys = chain_keys(&layout, n as u64);
+    let mut src = Cache::new(layout, n, 0);
+    for p in 0..n {
+        src.fill_page(p, p as u64);
+    }
+    let store = TieredStore::open(config(layout, dir.path(), 256)).unwrap();
+    wait(
+        store
+            .save(keys.clone(), src.all_regions(0..n), None)
+            .unwrap(),
+    );
+    store.evict_memory().unwrap();
+
+    let mut dst = Cache::new(layout, n, 0xCC);
+    let t = store
+        .load(keys.clone(), dst.all_regions(0..n), None)
+        .unwrap();
+    t.cancel();
+    let got = wait(t);
+    assert_eq!(got.len(), n);
+    let cancelled = got.iter().filter(|r| **r == BlockResult::Cancelled).count();
+    for (p, r) in got.iter().enumerate() {
+        for l in 0..2 {
+            match r {
+                BlockResult::Hit(_) => assert_eq!(dst.page(l, p), src.page(l, p), "page {p}"),
+                BlockResult::Cancelled => assert!(
+                    dst.page(l, p).iter().all(|&b| b == 0xCC),
+                    "cancelled page {p} was written"
+                ),
+                other => panic!("page {p}: {other:?}"),
+            }
+        }
+    }
+    // 13 chunks on two threads: the cancel lands before the last ones run.
+    assert!(cancelled > 0, "nothing was cancelled: {got:?}");
+}
+
+#[test]
+fn a_dropped_transfer_is_waited_for_and_an_empty_one_is_done() {
+    let layout = KvLayout::vllm_cpu(1, 1, 64, 16, KvDtype::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let store = TieredStore::open(config(layout, dir.path(), 64)).unwrap();
+    let empty = store.load(Vec::new(), Vec::new(), None).unwrap();
+    assert!(empty.is_done() && empty.is_empty());
+    assert!(empty.wait().is_empty());
+
+    let keys = chain_keys(&layout, 50);
+    let mut src = Cache::new(layout, 50, 3);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = store
+        .save(
+            keys.clone(),
+            src.all_regions(0..50),
+            Some(Box::new(move || tx.send(()).unwrap())),
+        )
+        .unwrap();
+    drop(t);
+    // The callback ran (the drop waited for the transfer to finish) and
+    // whatever was stored is whole.
+    rx.recv_timeout(Duration::from_secs(30))
+        .expect("callback ran");
+    let stored = store.get_many(&keys);
+    for b in stored.into_iter().flatten() {
+        assert!(b.payload().iter().all(|&x| x == 3));
+    }
+}
+
+#[test]
+fn bad_buffers_are_refused_before_any_work() {
+    let layout = KvLayout::vllm_cpu(2, 1, 64, 16, KvDtype::F32);
+    let n = layer_bytes(&layout);
+    let mut mem = vec![0u8; 4 * n];
+    let p = mem.as_mut_ptr();
+    type Pieces = Vec<(u64, *mut u8, usize)>;
+    let cases: Vec<(&str, Pieces)> = vec![
+        ("a gap", vec![(0, p, n)]),
+        ("an overlap", vec![(0, p, n), (n as u64 - 1, p, n + 1)]),
+        ("past the end", vec![(0, p, n), (n as u64, p, n + 1)]),
+        ("null", vec![(0, std::ptr::null_mut(), 2 * n)]),
+        ("an offset overflow", vec![(u64::MAX, p, 2)]),
+    ];
+    for (what, pieces) in cases {
+        // SAFETY: refused before use; `mem` outlives it either way.
+        let r = unsafe { BlockRegions::from_raw(&layout, &pieces) };
+        assert!(r.is_err(), "{what} was accepted");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = TieredStore::open(config(layout, dir.path(), 8)).unwrap();
+    // SAFETY: `mem` outlives the transfer, which is refused anyway.
+    let one = unsafe { BlockRegions::from_raw(&layout, &[(0, p, 2 * n)]) }.unwrap();
+    let err = store
+        .load(chain_keys(&layout, 2), vec![one], None)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("2 keys but 1 block buffers"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_unreachable_pool_is_an_error_not_a_miss() {
+    let layout = KvLayout::vllm_cpu(1, 1, 64, 16, KvDtype::F32);
+    let port = kvtier_testkit::free_port().unwrap();
+    let mut c = StoreConfig::new(layout, fingerprint());
+    let mut r = RemoteConfig::new(format!("redis://127.0.0.1:{port}"));
+    r.timeout = Duration::from_millis(500);
+    r.connect_timeout = Duration::from_millis(200);
+    c.remote = Some(r);
+    let store = TieredStore::open(c).unwrap();
+    let mut dst = Cache::new(layout, 2, 9);
+    let got = wait(
+        store
+            .load(chain_keys(&layout, 2), dst.all_regions(0..2), None)
+            .unwrap(),
+    );
+    for r in &got {
+        assert!(
+            matches!(r, BlockResult::Error(why) if why.contains("G4")),
+            "{r:?}"
+        );
+    }
+    assert!(dst.layers[0].iter().all(|&b| b == 9));
+}
