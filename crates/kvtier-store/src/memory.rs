@@ -7,7 +7,10 @@
 //! pull memory from under a reader (the lease is the `Arc`).
 //!
 //! Eviction hands the evicted blocks back to the caller, which demotes the
-//! ones not yet on disk to G3 asynchronously.
+//! ones not yet on disk to G3 asynchronously. Several stores (namespaces:
+//! one per model or layout) may share one tier, and so one budget: each
+//! block carries its [`Owner`], so what is evicted goes to its own store's
+//! G3, whoever's insert made room.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,9 +22,15 @@ use crate::eviction::S3Fifo;
 use crate::key::BlockKey;
 use crate::metrics::TierMetrics;
 
+/// Which store (namespace) a block belongs to; 0 for a store that does not
+/// share its G2.
+pub type Owner = u32;
+
 /// A block that left G2.
 #[derive(Debug)]
 pub struct Evicted {
+    /// The store it belongs to.
+    pub owner: Owner,
     /// Its key.
     pub key: BlockKey,
     /// Its encoded bytes.
@@ -32,6 +41,7 @@ pub struct Evicted {
 
 #[derive(Debug)]
 struct Entry {
+    owner: Owner,
     buf: Arc<AlignedBuf>,
     persisted: bool,
 }
@@ -117,12 +127,25 @@ impl MemoryTier {
     /// Inserts a block (replacing one under the same key) and returns the
     /// blocks evicted to make room. A block larger than the whole tier is
     /// returned as evicted at once.
-    pub fn insert(&self, key: BlockKey, buf: Arc<AlignedBuf>, persisted: bool) -> Vec<Evicted> {
+    pub fn insert(
+        &self,
+        owner: Owner,
+        key: BlockKey,
+        buf: Arc<AlignedBuf>,
+        persisted: bool,
+    ) -> Vec<Evicted> {
         let weight = buf.capacity() as u64;
         let bytes = buf.len() as u64;
         let mut inner = self.inner.lock();
         let persisted = persisted || inner.map.get(&key).is_some_and(|e| e.persisted);
-        inner.map.insert(key, Entry { buf, persisted });
+        inner.map.insert(
+            key,
+            Entry {
+                owner,
+                buf,
+                persisted,
+            },
+        );
         let evicted_keys = inner.policy.insert(key, weight);
         let mut out = Vec::with_capacity(evicted_keys.len());
         for k in evicted_keys {
@@ -131,6 +154,7 @@ impl MemoryTier {
                     self.metrics.evictions.inc();
                 }
                 out.push(Evicted {
+                    owner: e.owner,
                     key: k,
                     buf: e.buf,
                     persisted: e.persisted,
@@ -160,6 +184,7 @@ impl MemoryTier {
             .occupancy_bytes
             .set(inner.policy.used_bytes() as i64);
         Some(Evicted {
+            owner: e.owner,
             key: *key,
             buf: e.buf,
             persisted: e.persisted,
@@ -173,6 +198,7 @@ impl MemoryTier {
         while let Some(k) = inner.policy.evict_one() {
             if let Some(e) = inner.map.remove(&k) {
                 out.push(Evicted {
+                    owner: e.owner,
                     key: k,
                     buf: e.buf,
                     persisted: e.persisted,
@@ -181,6 +207,7 @@ impl MemoryTier {
         }
         // Anything the policy did not know (cannot happen) goes too.
         out.extend(inner.map.drain().map(|(key, e)| Evicted {
+            owner: e.owner,
             key,
             buf: e.buf,
             persisted: e.persisted,
@@ -190,13 +217,41 @@ impl MemoryTier {
         out
     }
 
-    /// Resident blocks not yet in G3.
-    pub fn dirty(&self) -> Vec<(BlockKey, Arc<AlignedBuf>)> {
+    /// Evicts every block of `owner` and returns them; the others stay.
+    pub fn drain_owner(&self, owner: Owner) -> Vec<Evicted> {
+        let mut inner = self.inner.lock();
+        let keys: Vec<BlockKey> = inner
+            .map
+            .iter()
+            .filter(|(_, e)| e.owner == owner)
+            .map(|(k, _)| *k)
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            inner.policy.remove(&key);
+            if let Some(e) = inner.map.remove(&key) {
+                out.push(Evicted {
+                    owner,
+                    key,
+                    buf: e.buf,
+                    persisted: e.persisted,
+                });
+            }
+        }
+        self.metrics.evictions.inc_by(out.len() as u64);
+        self.metrics
+            .occupancy_bytes
+            .set(inner.policy.used_bytes() as i64);
+        out
+    }
+
+    /// Resident blocks of `owner` not yet in G3.
+    pub fn dirty(&self, owner: Owner) -> Vec<(BlockKey, Arc<AlignedBuf>)> {
         self.inner
             .lock()
             .map
             .iter()
-            .filter(|(_, e)| !e.persisted)
+            .filter(|(_, e)| !e.persisted && e.owner == owner)
             .map(|(k, e)| (*k, e.buf.clone()))
             .collect()
     }
@@ -236,7 +291,7 @@ mod tests {
         let tier = MemoryTier::new(4 * 4096, TierMetrics::default());
         let mut evicted = Vec::new();
         for i in 0..10 {
-            evicted.extend(tier.insert(key(i), block(i), false));
+            evicted.extend(tier.insert(0, key(i), block(i), false));
             assert!(tier.used_bytes() <= 4 * 4096);
         }
         assert_eq!(tier.len() + evicted.len(), 10);
@@ -252,9 +307,9 @@ mod tests {
     #[test]
     fn reader_keeps_block_alive_across_eviction() {
         let tier = MemoryTier::new(4096, TierMetrics::default());
-        tier.insert(key(1), block(1), false);
+        tier.insert(0, key(1), block(1), false);
         let held = tier.get(&key(1)).unwrap();
-        let out = tier.insert(key(2), block(2), false);
+        let out = tier.insert(0, key(2), block(2), false);
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].key, key(1));
         assert!(held.iter().all(|&b| b == 1));
@@ -263,17 +318,44 @@ mod tests {
     #[test]
     fn persisted_flag_survives_reinsert_and_dirty_lists_the_rest() {
         let tier = MemoryTier::new(1 << 20, TierMetrics::default());
-        tier.insert(key(1), block(1), true);
-        tier.insert(key(2), block(2), false);
-        tier.insert(key(1), block(1), false);
-        let dirty: Vec<_> = tier.dirty().into_iter().map(|(k, _)| k).collect();
+        tier.insert(0, key(1), block(1), true);
+        tier.insert(0, key(2), block(2), false);
+        tier.insert(0, key(1), block(1), false);
+        let dirty: Vec<_> = tier.dirty(0).into_iter().map(|(k, _)| k).collect();
         assert_eq!(dirty, vec![key(2)]);
         tier.mark_persisted(&key(2));
-        assert!(tier.dirty().is_empty());
+        assert!(tier.dirty(0).is_empty());
         let drained = tier.drain();
         assert_eq!(drained.len(), 2);
         assert!(drained.iter().all(|e| e.persisted));
         assert!(tier.is_empty());
         assert_eq!(tier.used_bytes(), 0);
+    }
+
+    #[test]
+    fn owners_share_the_budget_and_drain_apart() {
+        let tier = MemoryTier::new(4 * 4096, TierMetrics::default());
+        tier.insert(1, key(1), block(1), false);
+        tier.insert(2, key(2), block(2), false);
+        tier.insert(1, key(3), block(3), true);
+        assert_eq!(tier.dirty(1).len(), 1);
+        assert_eq!(tier.dirty(2).len(), 1);
+        // Owner 2 filling the budget evicts owner 1's blocks, labelled as 1's.
+        let mut evicted = Vec::new();
+        for i in 10..14 {
+            evicted.extend(tier.insert(2, key(i), block(i), false));
+        }
+        assert!(evicted.iter().any(|e| e.owner == 1 && e.key == key(1)));
+        for e in &evicted {
+            assert_eq!(e.owner, if [1, 3].contains(&e.key.0[0]) { 1 } else { 2 });
+        }
+        let two = tier.drain_owner(2);
+        assert!(two.iter().all(|e| e.owner == 2));
+        assert!(tier.is_empty(), "only owner 2 was left");
+        tier.insert(1, key(1), block(1), false);
+        tier.insert(2, key(2), block(2), false);
+        assert_eq!(tier.drain_owner(1).len(), 1);
+        assert!(tier.contains(&key(2)) && !tier.contains(&key(1)));
+        assert_eq!(tier.used_bytes(), 4096);
     }
 }

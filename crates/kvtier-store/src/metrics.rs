@@ -137,8 +137,13 @@ impl Default for StoreMetrics {
 impl StoreMetrics {
     /// Creates the metrics and registers them under the `kvtier_store` prefix.
     pub fn new() -> Self {
+        Self::with_g2(TierMetrics::default())
+    }
+
+    /// [`new`](Self::new) with G2 counters shared with other stores (the
+    /// stores of one shared G2 budget show the same G2 series).
+    pub fn with_g2(g2: TierMetrics) -> Self {
         let mut registry = Registry::default();
-        let g2 = TierMetrics::default();
         let g3 = TierMetrics::default();
         let g4 = TierMetrics::default();
         let remote = RemoteMetrics::default();

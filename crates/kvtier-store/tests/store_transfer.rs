@@ -371,3 +371,99 @@ fn an_unreachable_pool_is_an_error_not_a_miss() {
     }
     assert!(dst.layers[0].iter().all(|&b| b == 9));
 }
+
+#[test]
+fn namespaces_share_one_g2_budget_and_keep_their_own_g3() {
+    // Two models of different layouts, G2 for 16 blocks of the larger in all.
+    let a_layout = KvLayout::vllm_cpu(2, 2, 64, 16, KvDtype::F32);
+    let b_layout = KvLayout::kv_major(1, 1, 64, 16, KvDtype::Bf16);
+    let shared = kvtier_store::SharedMemory::new(16 * a_layout.encoded_bytes());
+    let dir = tempfile::tempdir().unwrap();
+    let open_ns = |layout: KvLayout, name: &str| {
+        let mut c = config(layout, &dir.path().join(name), 0);
+        c.shared_memory = Some(shared.clone());
+        TieredStore::open(c).unwrap()
+    };
+    let a = open_ns(a_layout, "a");
+    let b = open_ns(b_layout, "b");
+
+    let a_keys = chain_keys(&a_layout, 12);
+    let mut a_src = Cache::new(a_layout, 12, 0);
+    for p in 0..12 {
+        a_src.fill_page(p, p as u64 + 100);
+    }
+    wait(
+        a.save(a_keys.clone(), a_src.all_regions(0..12), None)
+            .unwrap(),
+    );
+    assert_eq!(a.lookup_prefix(&a_keys).hits_in(Tier::G2), 12);
+
+    // B's blocks need room: A's oldest leave G2 for A's G3, not B's.
+    let b_keys = chain_keys(&b_layout, 40);
+    let mut b_src = Cache::new(b_layout, 40, 0);
+    for p in 0..40 {
+        b_src.fill_page(p, p as u64 + 500);
+    }
+    wait(
+        b.save(b_keys.clone(), b_src.all_regions(0..40), None)
+            .unwrap(),
+    );
+    assert!(shared.memory().used_bytes() <= 16 * a_layout.encoded_bytes());
+    a.flush().unwrap();
+    b.flush().unwrap();
+    let a_in_g2 = a
+        .lookup_prefix(&a_keys)
+        .tiers
+        .iter()
+        .filter(|t| **t == Tier::G2)
+        .count();
+    assert!(a_in_g2 < 12, "B's saves evicted none of A's blocks");
+    assert!(
+        a.disk().unwrap().len() >= 12 - a_in_g2,
+        "A's evicted blocks are not on A's disk"
+    );
+    assert!(
+        b.disk()
+            .unwrap()
+            .contains_many(&a_keys)
+            .iter()
+            .all(|held| !held),
+        "A's blocks went to B's disk"
+    );
+
+    // Every block of both still loads, whole and right.
+    let mut a_dst = Cache::new(a_layout, 12, 0xAB);
+    let got = wait(
+        a.load(a_keys.clone(), a_dst.all_regions(0..12), None)
+            .unwrap(),
+    );
+    assert!(
+        got.iter().all(|r| matches!(r, BlockResult::Hit(_))),
+        "{got:?}"
+    );
+    assert_eq!(a_dst.layers, a_src.layers);
+    let mut b_dst = Cache::new(b_layout, 40, 0xAB);
+    let got = wait(
+        b.load(b_keys.clone(), b_dst.all_regions(0..40), None)
+            .unwrap(),
+    );
+    assert!(
+        got.iter().all(|r| matches!(r, BlockResult::Hit(_))),
+        "{got:?}"
+    );
+    assert_eq!(b_dst.layers, b_src.layers);
+
+    // Emptying one namespace's G2 leaves the other's; closing one takes its
+    // blocks out of the budget.
+    let b_in_g2 = b.lookup_prefix(&b_keys).hits_in(Tier::G2);
+    assert!(b_in_g2 > 0);
+    a.evict_memory().unwrap();
+    assert_eq!(a.lookup_prefix(&a_keys).hits_in(Tier::G2), 0);
+    assert_eq!(b.lookup_prefix(&b_keys).hits_in(Tier::G2), b_in_g2);
+    b.close().unwrap();
+    assert_eq!(
+        shared.memory().len(),
+        0,
+        "a closed namespace's blocks stay in G2"
+    );
+}

@@ -26,6 +26,7 @@
 //!   not yet on disk to G3 and syncs it, so a clean stop keeps the cache.
 
 mod pending;
+mod shared_memory;
 mod store_error;
 mod tier_reads;
 mod write_back;
@@ -44,11 +45,12 @@ use crate::disk::{DiskConfig, DiskTier};
 use crate::handle::Handle;
 use crate::key::{BlockKey, ModelFingerprint};
 use crate::kv_layout::KvLayout;
-use crate::memory::{Evicted, MemoryTier};
+use crate::memory::{Evicted, MemoryTier, Owner};
 use crate::metrics::{StoreMetrics, Tier};
 use crate::remote::{RemoteConfig, RemoteTier};
 use crate::verify::BlockSpec;
 use crate::workers::Workers;
+pub use shared_memory::SharedMemory;
 pub use store_error::StoreError;
 pub(crate) use tier_reads::Found;
 use write_back::{LocalBlock, WriteBack};
@@ -75,6 +77,9 @@ pub struct StoreConfig {
     pub persist_on_close: bool,
     /// G4, a pool shared with other nodes, if any.
     pub remote: Option<RemoteConfig>,
+    /// A G2 budget shared with other stores (one per model or layout); when
+    /// set, `memory_bytes` is ignored and G2 counters are the shared ones.
+    pub shared_memory: Option<SharedMemory>,
 }
 
 impl StoreConfig {
@@ -91,6 +96,7 @@ impl StoreConfig {
             writeback_max_bytes: 256 << 20,
             persist_on_close: true,
             remote: None,
+            shared_memory: None,
         }
     }
 }
@@ -167,6 +173,9 @@ const READ_WORKERS: usize = 2;
 const SAVE_WORKERS: usize = 2;
 
 struct Inner {
+    /// This store's id in a shared G2 (0 when G2 is its own).
+    owner: Owner,
+    shared_memory: Option<SharedMemory>,
     layout: KvLayout,
     fingerprint: ModelFingerprint,
     memory: Arc<MemoryTier>,
@@ -218,8 +227,18 @@ impl TieredStore {
             layout: config.layout,
             fingerprint: Some(config.fingerprint),
         };
-        let metrics = Arc::new(StoreMetrics::new());
-        let memory = Arc::new(MemoryTier::new(config.memory_bytes, metrics.g2.clone()));
+        let (metrics, memory, owner) = match &config.shared_memory {
+            Some(shared) => (
+                Arc::new(StoreMetrics::with_g2(shared.metrics())),
+                shared.tier(),
+                shared.next_owner(),
+            ),
+            None => {
+                let metrics = Arc::new(StoreMetrics::new());
+                let memory = Arc::new(MemoryTier::new(config.memory_bytes, metrics.g2.clone()));
+                (metrics, memory, 0)
+            }
+        };
         let write_back = match config.disk {
             Some(mut dc) => {
                 dc.layout = spec.layout;
@@ -251,21 +270,25 @@ impl TieredStore {
             .map_err(|e| StoreError::Task(format!("cannot start the reader threads: {e}")))?;
         let savers = Workers::spawn("kvtier-save", SAVE_WORKERS)
             .map_err(|e| StoreError::Task(format!("cannot start the saver threads: {e}")))?;
-        Ok(Self {
-            inner: Arc::new(Inner {
-                layout: config.layout,
-                fingerprint: config.fingerprint,
-                memory,
-                write_back,
-                write_through,
-                admission,
-                persist_on_close: config.persist_on_close,
-                metrics,
-                alloc,
-                readers,
-                savers,
-            }),
-        })
+        let inner = Arc::new(Inner {
+            owner,
+            shared_memory: config.shared_memory.clone(),
+            layout: config.layout,
+            fingerprint: config.fingerprint,
+            memory,
+            write_back,
+            write_through,
+            admission,
+            persist_on_close: config.persist_on_close,
+            metrics,
+            alloc,
+            readers,
+            savers,
+        });
+        if let Some(shared) = &config.shared_memory {
+            shared.register(owner, &inner);
+        }
+        Ok(Self { inner })
     }
 
     /// The block layout.
@@ -453,7 +476,7 @@ impl TieredStore {
         let mut evicted = Vec::new();
         for ((key, buf), persisted) in encoded.into_iter().zip(persisted) {
             // A block G3 already holds needs no write-back when evicted.
-            evicted.extend(inner.memory.insert(key, buf, persisted));
+            evicted.extend(inner.memory.insert(inner.owner, key, buf, persisted));
         }
         self.demote(evicted, !wait);
         PutReport { stored, present: 0 }
@@ -493,8 +516,16 @@ impl TieredStore {
     /// Queues evicted blocks that G3 lacks for write-back (subject to the
     /// admission filter); with `drop_over`, never past the queue's bound.
     /// Without G3 they are simply dropped: G2 is a cache.
+    /// Blocks of other stores sharing this G2 go to their own stores.
     fn demote(&self, evicted: Vec<Evicted>, drop_over: bool) {
         let inner = &self.inner;
+        let (evicted, others): (Vec<Evicted>, Vec<Evicted>) =
+            evicted.into_iter().partition(|e| e.owner == inner.owner);
+        if let Some(shared) = &inner.shared_memory
+            && !others.is_empty()
+        {
+            shared.demote_others(others, drop_over);
+        }
         let Some(w) = &inner.write_back else {
             return;
         };
@@ -523,15 +554,15 @@ impl TieredStore {
             w.flush();
         }
         match &inner.write_back {
-            Some(w) => w.flush(inner.memory.dirty()),
+            Some(w) => w.flush(inner.memory.dirty(inner.owner)),
             None => Ok(()),
         }
     }
 
-    /// Empties G2 (demoting every block G3 lacks) and flushes, so the next
-    /// reads come from G3. Used to measure restores from disk.
+    /// Empties G2 of this store's blocks (demoting every block G3 lacks)
+    /// and flushes, so the next reads come from G3. Used to measure restores from disk.
     pub fn evict_memory(&self) -> Result<(), StoreError> {
-        let drained = self.inner.memory.drain();
+        let drained = self.inner.memory.drain_owner(self.inner.owner);
         self.demote(drained, false);
         self.flush()
     }
@@ -618,7 +649,7 @@ impl Drop for Inner {
             && !w.is_stopped()
         {
             let dirty = if self.persist_on_close {
-                self.memory.dirty()
+                self.memory.dirty(self.owner)
             } else {
                 Vec::new()
             };
@@ -626,6 +657,11 @@ impl Drop for Inner {
                 tracing::warn!("G3 write-back at close failed: {e}");
             }
             w.stop();
+        }
+        if let Some(shared) = &self.shared_memory {
+            // Its blocks are written back: out of the shared budget.
+            shared.unregister(self.owner);
+            self.memory.drain_owner(self.owner);
         }
     }
 }

@@ -162,7 +162,7 @@ impl TieredStore {
             out[i] = match outcome {
                 ReadOutcome::Hit => {
                     let buf = Arc::new(buf);
-                    evicted.extend(inner.memory.insert(keys[i], buf.clone(), true));
+                    evicted.extend(inner.memory.insert(inner.owner, keys[i], buf.clone(), true));
                     Found::Hit(block(i, Tier::G3, buf))
                 }
                 ReadOutcome::Miss => Found::Miss,
@@ -178,7 +178,11 @@ impl TieredStore {
             };
             if let Found::Hit(b) = &found {
                 // Not persisted locally: G3 gets it when G2 evicts it.
-                evicted.extend(inner.memory.insert(keys[i], b.buf.clone(), false));
+                evicted.extend(
+                    inner
+                        .memory
+                        .insert(inner.owner, keys[i], b.buf.clone(), false),
+                );
             }
             out[i] = found;
         }
