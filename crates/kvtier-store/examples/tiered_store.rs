@@ -14,8 +14,7 @@ use std::error::Error;
 use std::path::PathBuf;
 
 use kvtier_store::{
-    Arrangement, DiskConfig, KeyChain, KvDtype, KvLayout, ModelFingerprint, StoreConfig,
-    TieredStore,
+    DiskConfig, KeyChain, KvDtype, KvLayout, ModelFingerprint, StoreConfig, TieredStore,
 };
 
 fn main() -> Result<(), Box<dyn Error>> {
@@ -26,15 +25,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     };
 
     // One block: K and V of 2 layers x 2 heads x 64 dims for 16 tokens, f32.
-    let layout = KvLayout {
-        layers: 2,
-        kv_heads: 2,
-        head_dim: 64,
-        block_tokens: 16,
-        dtype: KvDtype::F32,
-        arrangement: Arrangement::KvMajor,
-        shard: None,
-    };
+    let layout = KvLayout::kv_major(2, 2, 64, 16, KvDtype::F32);
     let model = ModelFingerprint::of_bytes(b"the model's config and weights");
     let mut config = StoreConfig::new(layout, model);
     config.memory_bytes = 64 << 20;
