@@ -52,6 +52,31 @@ impl DirectProbe {
     }
 }
 
+/// Name prefix of the probe's scratch file, followed by `<pid>-<n>`.
+const PROBE_PREFIX: &str = ".kvtier-direct-probe-";
+
+/// True when `name` is a probe scratch file (see [`probe_direct`]) of a
+/// process that no longer exists: one killed between creating and removing
+/// it. A file of a live process, this one included, is not stale.
+pub(crate) fn is_stale_probe_file(name: &str) -> bool {
+    let Some((pid, seq)) = name
+        .strip_prefix(PROBE_PREFIX)
+        .and_then(|rest| rest.split_once('-'))
+    else {
+        return false;
+    };
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let Ok(pid) = pid.parse::<libc::pid_t>() else {
+        return false;
+    };
+    if !digits(seq) || pid <= 0 || pid as u32 == std::process::id() {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists; nothing is sent.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
+
 /// Probes `dir` with a real aligned `O_DIRECT` write and read of one
 /// 4 KiB block in a scratch file that is removed afterwards.
 ///
@@ -65,7 +90,7 @@ pub fn probe_direct(dir: &Path) -> DirectProbe {
     }
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let path = dir.join(format!(
-        ".kvtier-direct-probe-{}-{}",
+        "{PROBE_PREFIX}{}-{}",
         std::process::id(),
         SEQ.fetch_add(1, Ordering::Relaxed)
     ));
@@ -114,6 +139,30 @@ mod tests {
         // Either mode is legitimate, but a fallback must carry its reason.
         assert_eq!(probe.direct, probe.reason.is_none());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn stale_probe_files_are_those_of_dead_processes() {
+        let me = std::process::id();
+        assert!(!is_stale_probe_file(&format!(".kvtier-direct-probe-{me}-0")));
+        // The parent of a test process is alive.
+        let parent = std::os::unix::process::parent_id();
+        assert!(!is_stale_probe_file(&format!(".kvtier-direct-probe-{parent}-3")));
+        // A child that has exited and been reaped no longer exists.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert!(is_stale_probe_file(&format!(".kvtier-direct-probe-{pid}-7")));
+        for other in [
+            "manifest.json",
+            ".kvtier-direct-probe-",
+            &format!(".kvtier-direct-probe-{pid}"),
+            &format!(".kvtier-direct-probe-{pid}-x"),
+            ".kvtier-direct-probe-0-1",
+            ".kvtier-direct-probe--5-1",
+        ] {
+            assert!(!is_stale_probe_file(other), "{other}");
+        }
     }
 
     #[test]

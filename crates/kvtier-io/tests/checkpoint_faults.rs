@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvtier_io::checkpoint::{
-    self, Checkpoint, CheckpointError, MANIFEST_FILE, SaveOptions, TensorRef,
+    self, Checkpoint, CheckpointError, LOCK_FILE, MANIFEST_FILE, SaveOptions, TensorRef,
 };
 use kvtier_io::safetensors::Dtype;
 
@@ -169,7 +169,8 @@ fn sigkill_during_saves_leaves_the_old_or_the_new_checkpoint() {
         delays_ms.len()
     );
 
-    // The next save removes whatever the kills left behind.
+    // The next save removes whatever the kills left behind, dot files (a
+    // direct-I/O probe's scratch file) included: only the lock file stays.
     let next = generation_tensors(last + 1);
     let info = checkpoint::save(dir.path(), &tensor_refs(&next), &kill_opts()).unwrap();
     assert_eq!(info.generation, last + 1);
@@ -179,8 +180,16 @@ fn sigkill_during_saves_leaves_the_old_or_the_new_checkpoint() {
         .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
     want.insert(MANIFEST_FILE.into());
-    assert_eq!(visible_files(dir.path()), want);
+    want.insert(LOCK_FILE.into());
+    assert_eq!(all_files(dir.path()), want);
     assert_is_generation(&checkpoint::load(dir.path()).unwrap());
+}
+
+fn all_files(dir: &Path) -> BTreeSet<String> {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect()
 }
 
 fn visible_files(dir: &Path) -> BTreeSet<String> {
@@ -290,4 +299,26 @@ fn disk_full_save_fails_cleanly_and_keeps_the_previous_checkpoint() {
     let info = checkpoint::save(&dir, &tensor_refs(&small[..1]), &opts).unwrap();
     assert_eq!(info.generation, 2);
     assert_eq!(checkpoint::load(&dir).unwrap().len(), 1);
+}
+
+#[test]
+fn a_probe_file_left_by_a_killed_save_is_removed_by_the_next_save() {
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint::save(dir.path(), &tensor_refs(&generation_tensors(1)), &kill_opts()).unwrap();
+    // A save killed inside its O_DIRECT probe leaves the probe's scratch
+    // file, named after its (now dead) process.
+    let mut dead = Command::new("true").spawn().unwrap();
+    let dead_pid = dead.id();
+    dead.wait().unwrap();
+    let stale = format!(".kvtier-direct-probe-{dead_pid}-0");
+    // One of a live process may be a probe in progress: it stays.
+    let live = format!(".kvtier-direct-probe-{}-0", std::os::unix::process::parent_id());
+    for name in [&stale, &live] {
+        fs::write(dir.path().join(name), [0u8; 4096]).unwrap();
+    }
+    checkpoint::save(dir.path(), &tensor_refs(&generation_tensors(2)), &kill_opts()).unwrap();
+    let files = all_files(dir.path());
+    assert!(!files.contains(&stale), "{files:?}");
+    assert!(files.contains(&live), "{files:?}");
+    assert_is_generation(&checkpoint::load(dir.path()).unwrap());
 }

@@ -271,3 +271,32 @@ fn a_missing_file_is_an_io_error_naming_it() {
         "{err}"
     );
 }
+
+#[test]
+fn a_fifo_a_device_and_a_directory_are_errors_not_hangs() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo.safetensors");
+    let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo touches no memory of ours.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    let zero = dir.path().join("zero.safetensors");
+    std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+    for (path, what) in [
+        (fifo, "a FIFO"),
+        (zero, "a device"),
+        (dir.path().to_path_buf(), "a directory"),
+    ] {
+        // No writer ever opens the FIFO: a blocking open would hang here.
+        let err = load_shards(
+            std::slice::from_ref(&path),
+            &LoaderConfig::default(),
+            IoEngine::shared(),
+            &system_allocator(),
+        )
+        .unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, LoadError::Io { .. }), "{msg}");
+        assert!(msg.contains(&*path.to_string_lossy()), "{msg}");
+        assert!(msg.contains(what), "{msg}");
+    }
+}

@@ -1,5 +1,6 @@
-//! Cleanup of uncommitted generations: shard files no manifest names and
-//! leftover temp manifests, never any other file.
+//! Cleanup of uncommitted generations: shard files no manifest names,
+//! leftover temp manifests and the direct-I/O probe file of a save killed
+//! while probing, never any other file.
 
 use std::collections::HashSet;
 use std::fs;
@@ -10,9 +11,12 @@ use super::checkpoint_error::CheckpointError;
 use super::dirs::{DirLock, parse_shard_file_name};
 use super::manifest::{self, Manifest};
 use super::options::MANIFEST_TMP;
+use crate::direct::is_stale_probe_file;
 
 /// Removes every file of an uncommitted generation from `dir` (shard files
-/// not named by `manifest.json`, and a leftover temp manifest) and returns
+/// not named by `manifest.json`, a leftover temp manifest, and the
+/// `O_DIRECT` probe's scratch file of a process that died before removing
+/// it) and returns
 /// what it removed. Other files are never touched. Takes the directory's
 /// writer lock, so it waits for a save in progress.
 pub fn cleanup(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
@@ -35,8 +39,9 @@ pub(crate) fn cleanup_locked(
         let entry = entry.map_err(|e| CheckpointError::io("list", dir, e))?;
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        let stray =
-            name == MANIFEST_TMP || (parse_shard_file_name(name).is_some() && !keep.contains(name));
+        let stray = name == MANIFEST_TMP
+            || (parse_shard_file_name(name).is_some() && !keep.contains(name))
+            || is_stale_probe_file(name);
         if !stray {
             continue;
         }

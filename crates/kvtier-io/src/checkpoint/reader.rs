@@ -105,6 +105,14 @@ impl Checkpoint {
     pub fn shards(&self) -> &[LoadedShard] {
         &self.shards
     }
+
+    /// The loaded shard files, in manifest order, by value: hands the shard
+    /// buffers to a caller that keeps them (the Python package gives each
+    /// one to the arrays that view it). Padding tensors are still in their
+    /// headers; look tensors up by the manifest's names.
+    pub fn into_shards(self) -> Vec<LoadedShard> {
+        self.shards
+    }
 }
 
 /// Loads the committed checkpoint in `dir` with default options, verifying

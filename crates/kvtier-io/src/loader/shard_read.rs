@@ -1,9 +1,9 @@
 //! Opening shards (header validated first, `O_DIRECT` probed) and reading
 //! them whole, in large aligned chunks, straight into their final buffers.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -42,7 +42,7 @@ fn io_err(path: &Path) -> impl Fn(io::Error) -> LoadError + '_ {
 /// Validates `path`'s header (reading only the prefix) and opens it for
 /// the bulk read, with `O_DIRECT` as configured or probed.
 pub(crate) fn open_shard(path: &Path, cfg: &LoaderConfig) -> Result<OpenShard, LoadError> {
-    let plain = File::open(path).map_err(io_err(path))?;
+    let plain = open_regular(path)?;
     let (header, prefix) = read_header_from(&plain, path)?;
     let len = header.file_len();
     drop(plain);
@@ -62,6 +62,40 @@ pub(crate) fn open_shard(path: &Path, cfg: &LoaderConfig) -> Result<OpenShard, L
         len,
         direct,
         buffered_reason,
+    })
+}
+
+/// Opens `path` for reading and checks that it is a regular file (symlinks
+/// followed). `O_NONBLOCK` keeps the open from waiting for a writer when
+/// `path` is a FIFO; a FIFO, a device (`/dev/zero`), a socket or a
+/// directory is an error naming the path, not a hang or an endless read.
+fn open_regular(path: &Path) -> Result<File, LoadError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io_err(path))?;
+    let kind = file.metadata().map_err(io_err(path))?.file_type();
+    if kind.is_file() {
+        return Ok(file);
+    }
+    let what = if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    };
+    Err(LoadError::Io {
+        path: path.to_path_buf(),
+        source: io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("not a safetensors file: {what}, not a regular file"),
+        ),
     })
 }
 

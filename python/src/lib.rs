@@ -1,0 +1,38 @@
+//! `kvtier._kvtier`: the native module of the `kvtier` Python package.
+//!
+//! The Python package (`python/kvtier/`) is the public surface: it turns
+//! what this module returns into numpy arrays or torch tensors and raises
+//! the exception classes of `kvtier.errors`. This module does the I/O
+//! through `kvtier-io`, with the GIL released:
+//!
+//! * [`host_buffer`]: `HostBuffer`, one loaded file's bytes, viewed by the
+//!   arrays through numpy's array interface (no copy);
+//! * [`py_load`]: `load_safetensors`, a file or a model directory through
+//!   the parallel direct-I/O weight loader;
+//! * [`py_checkpoint`]: `save_checkpoint` and `load_checkpoint`, the
+//!   crash-safe checkpoint writer and its verified loader;
+//! * [`array_input`]: reading the bytes of numpy arrays handed in;
+//! * [`py_error`]: every Rust error as a `kvtier.errors` exception.
+//!
+//! The KV store binding (`kvtier.Store`) goes in a file of its own next to
+//! these and registers its classes in [`_kvtier`] below.
+
+mod array_input;
+mod host_buffer;
+mod py_checkpoint;
+mod py_error;
+mod py_load;
+
+use pyo3::prelude::*;
+
+/// The module `kvtier._kvtier`.
+#[pymodule]
+fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<host_buffer::HostBuffer>()?;
+    m.add_function(wrap_pyfunction!(py_load::load_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(py_checkpoint::save_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(py_checkpoint::load_checkpoint, m)?)?;
+    // The store binding registers `Store` (and its handle classes) here.
+    Ok(())
+}
