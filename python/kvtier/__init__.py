@@ -5,10 +5,12 @@
   torch tensors (views of the loaded bytes, no copy).
 * :func:`save_checkpoint` / :func:`load_checkpoint`: crash-safe checkpoints
   (atomic commit, a crc32c per tensor, verified on load).
+* :class:`Store`: the tiered KV store (G2 memory, G3 disk, G4 pool) for
+  engines that keep their own KV pages: namespaces per model and
+  :class:`Layout`, loads and saves in place with a :class:`Transfer` handle
+  and a :class:`BlockResult` per block.
 * :mod:`kvtier.errors`: the exceptions, all subclasses of
   :class:`KvtierError`, carrying the Rust error's message.
-
-The KV store binding (``kvtier.Store``) is not part of this release yet.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from .errors import (
     ModelDirError,
     NoCheckpointError,
     SafetensorsFormatError,
+    StoreError,
     UnsupportedDtypeError,
 )
 from .loader import load_safetensors
 
-# kvtier.Store (the KV store binding) is added here by its own module.
+from .store import BlockHash, BlockResult, Layout, Namespace, Store, Transfer
 
 __all__ = [
     "__version__",
@@ -51,4 +54,11 @@ __all__ = [
     "ChecksumError",
     "InvalidTensorError",
     "UnsupportedDtypeError",
+    "StoreError",
+    "Store",
+    "Namespace",
+    "Layout",
+    "Transfer",
+    "BlockResult",
+    "BlockHash",
 ]

@@ -44,3 +44,139 @@ def load_checkpoint(
     dir: str, verify: bool = True
 ) -> tuple[list[HostBuffer], list[_Span], int, dict[str, str]]:
     """Load a committed checkpoint; see ``kvtier.load_checkpoint``."""
+
+# The KV store (see kvtier.store for the public wrappers).
+
+class Layout:
+    """The shape of one KV block (see ``kvtier.store``)."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        block_tokens: int,
+        dtype: str = "f32",
+        arrangement: str = "kv-major",
+        tp_rank: int = 0,
+        tp_world: int = 1,
+    ) -> None: ...
+    @staticmethod
+    def vllm_cpu(
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        block_tokens: int = 128,
+        dtype: str = "f32",
+        tp_rank: int = 0,
+        tp_world: int = 1,
+    ) -> Layout:
+        """vLLM's CPU page layout: per layer ``[num_blocks, kv_heads,
+        block_tokens, 2 * head_dim]``."""
+    @property
+    def layers(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def arrangement(self) -> str: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_world(self) -> int: ...
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of one block's payload."""
+    @property
+    def region_bytes(self) -> int:
+        """Bytes of one region (a layer's K or V, or its latent)."""
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer of one block."""
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one block takes on disk."""
+    def layer_range(self, layer: int) -> tuple[int, int] | None: ...
+    def part_range(self, layer: int, part: str) -> tuple[int, int] | None: ...
+    def regions(self) -> list[tuple[int, int]]:
+        """Payload ranges of a block's regions, in payload order."""
+
+class BlockResult:
+    """What a load or save did with one block; equal to its status string."""
+
+    @property
+    def status(self) -> str:
+        """``hit``, ``miss``, ``corrupt``, ``error``, ``stored``,
+        ``present`` or ``cancelled``."""
+    @property
+    def tier(self) -> str | None:
+        """For a hit: ``g2``, ``g3`` or ``g4``."""
+    @property
+    def reason(self) -> str | None:
+        """For ``corrupt`` and ``error``: why."""
+    @property
+    def ok(self) -> bool:
+        """True for ``hit``, ``stored`` and ``present``."""
+
+class Transfer:
+    """A load or save in progress; holds its arrays until finished."""
+
+    def done(self) -> bool: ...
+    def finished(self) -> int:
+        """Blocks with a result so far."""
+    def __len__(self) -> int: ...
+    def wait(self, timeout: float | None = None) -> list[BlockResult] | None:
+        """One result per key once done (the GIL released meanwhile);
+        ``None`` if ``timeout`` seconds passed first."""
+    def cancel(self) -> None:
+        """Blocks not yet copied report ``cancelled``; their memory is not
+        touched."""
+
+class Namespace:
+    """One model and layout of a store (internal; see ``kvtier.Namespace``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def layout(self) -> Layout: ...
+    def keys(self, hashes: list[bytes]) -> list[bytes]: ...
+    def token_keys(self, tokens: list[int]) -> list[bytes]: ...
+    def lookup(self, hashes: list[bytes]) -> int: ...
+    def _load(
+        self, hashes: list[bytes], pieces: list[list[tuple[int, int, int]]], keep: Any
+    ) -> Transfer: ...
+    def _save(
+        self, hashes: list[bytes], pieces: list[list[tuple[int, int, int]]], keep: Any
+    ) -> Transfer: ...
+    def flush(self) -> None: ...
+    def evict_memory(self) -> None: ...
+    def locate(self, hash: bytes) -> tuple[str, int] | None: ...
+    def metrics_text(self) -> str: ...
+    def stats(self) -> dict[str, int]: ...
+
+class Store:
+    """The native store (internal; see ``kvtier.Store``)."""
+
+    def __init__(
+        self,
+        cache_dir: str,
+        g2_bytes: int = ...,
+        g3_bytes: int = ...,
+        remote: str | None = None,
+    ) -> None: ...
+    def namespace(
+        self,
+        layout: Layout,
+        fingerprint: bytes | str,
+        salt: bytes = b"",
+        name: str | None = None,
+    ) -> Namespace: ...
+    @property
+    def cache_dir(self) -> str: ...
+    def metrics(self) -> dict[str, Any]: ...
+    def flush(self) -> None: ...

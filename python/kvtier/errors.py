@@ -20,6 +20,7 @@ Python caller would expect (``OSError``, ``ValueError``, ``TypeError``,
     |   +-- ChecksumError                     a tensor fails its crc32c
     +-- InvalidTensorError (ValueError)       a tensor that cannot be saved
     +-- UnsupportedDtypeError (TypeError)     a dtype the framework lacks
+    +-- StoreError                            the KV store refused an operation
 
 A buffer that cannot be allocated raises the built-in ``MemoryError``.
 """
@@ -38,6 +39,7 @@ __all__ = [
     "ChecksumError",
     "InvalidTensorError",
     "UnsupportedDtypeError",
+    "StoreError",
 ]
 
 
@@ -103,3 +105,10 @@ class UnsupportedDtypeError(KvtierError, TypeError):
     """The framework asked for has no type for a tensor's dtype: numpy has
     no bfloat16 or float8 (``safetensors.numpy`` raises ``TypeError`` for
     them too); load such tensors with ``framework="pt"``."""
+
+
+class StoreError(KvtierError):
+    """The KV store refused an operation: its cache directory or G3 could
+    not be opened, a G4 URL cannot work, memory handed to a load or save
+    does not fit the blocks. (A block that is missing, corrupt or could not
+    be read is not an exception: it is that block's result.)"""

@@ -14,14 +14,15 @@
 //! * [`array_input`]: reading the bytes of numpy arrays handed in;
 //! * [`py_error`]: every Rust error as a `kvtier.errors` exception.
 //!
-//! The KV store binding (`kvtier.Store`) goes in a file of its own next to
-//! these and registers its classes in [`_kvtier`] below.
+//! * [`py_store`]: `Store`, `Namespace`, `Layout`, `Transfer`,
+//!   `BlockResult`: the tiered KV store (`kvtier.Store`).
 
 mod array_input;
 mod host_buffer;
 mod py_checkpoint;
 mod py_error;
 mod py_load;
+mod py_store;
 
 use pyo3::prelude::*;
 
@@ -33,6 +34,10 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_load::load_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(py_checkpoint::save_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(py_checkpoint::load_checkpoint, m)?)?;
-    // The store binding registers `Store` (and its handle classes) here.
+    m.add_class::<py_store::Store>()?;
+    m.add_class::<py_store::Namespace>()?;
+    m.add_class::<py_store::Layout>()?;
+    m.add_class::<py_store::Transfer>()?;
+    m.add_class::<py_store::BlockResult>()?;
     Ok(())
 }

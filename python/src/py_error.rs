@@ -40,6 +40,8 @@ pub(crate) enum Kind {
     Checksum,
     /// `InvalidTensorError`: a tensor cannot be saved as given.
     InvalidTensor,
+    /// `StoreError`: the KV store refused an operation.
+    Store,
     /// Python's `MemoryError`: a buffer could not be allocated.
     Memory,
 }
@@ -57,6 +59,7 @@ impl Kind {
             Kind::NoCheckpoint => "NoCheckpointError",
             Kind::Checksum => "ChecksumError",
             Kind::InvalidTensor => "InvalidTensorError",
+            Kind::Store => "StoreError",
             Kind::Memory => "MemoryError",
         }
     }

@@ -1,0 +1,263 @@
+"""kvtier.Store through the Python API: every layout round-trips with numpy
+and torch memory, across a restart of the process; a flipped byte on disk
+is reported corrupt for that block only; a cancelled load leaves memory
+untouched past what it reports; bad memory is refused with a clear error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier import BlockResult, Layout, Store
+
+ARRANGEMENTS = ["kv-major", "layer-major", "layer-fused", "latent"]
+
+
+def pages(layout: Layout, blocks: int, seed: int, dtype: str) -> list[np.ndarray]:
+    """Per layer a [blocks, layer_bytes] tensor of pages (as numpy bytes)."""
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(0, 256, size=(blocks, layout.layer_bytes), dtype=np.uint8)
+        for _ in range(layout.layers)
+    ]
+
+
+def as_float(a: np.ndarray, dtype: str) -> np.ndarray:
+    return a.view(np.float32) if dtype == "f32" else a.view(np.uint16)
+
+
+def region_views(layout: Layout, layers: list[np.ndarray], block: int) -> list[np.ndarray]:
+    """The regions of one block in payload order, as views of `layers`."""
+    out = []
+    half = layout.layer_bytes // 2
+    if layout.arrangement == "kv-major":
+        for part in (0, 1):
+            for t in layers:
+                out.append(t[block, part * half : (part + 1) * half])
+    else:
+        for t in layers:
+            out.append(t[block])
+    return out
+
+
+def hashes(n: int, tag: bytes = b"") -> list[bytes]:
+    return [tag + i.to_bytes(8, "little") for i in range(n)]
+
+
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_every_layout_round_trips_with_numpy(tmp_path: Path, arrangement: str, dtype: str) -> None:
+    layout = Layout(3, 2, 16, 8, dtype=dtype, arrangement=arrangement)
+    store = Store(str(tmp_path), g2_bytes=64 << 20, g3_bytes=64 << 20)
+    ns = store.namespace(layout, fingerprint="model-a")
+    src = pages(layout, 20, 1, dtype)
+    keys = hashes(20)
+    saved = ns.save(keys, [region_views(layout, src, b) for b in range(20)]).wait()
+    assert [r.status for r in saved] == ["stored"] * 20
+    assert ns.lookup(keys) == 20
+    assert ns.lookup(hashes(3, b"x") + keys) == 0
+
+    dst = [np.zeros_like(t) for t in src]
+    got = ns.load(keys, [region_views(layout, dst, b) for b in range(20)]).wait()
+    assert all(r == "hit" and r.tier == "g2" for r in got), got
+    for a, b in zip(src, dst):
+        np.testing.assert_array_equal(a, b)
+
+    ns.evict_memory()
+    dst = [np.zeros_like(t) for t in src]
+    got = ns.load(keys, [region_views(layout, dst, b) for b in range(20)]).wait()
+    assert all(r.tier == "g3" for r in got), got
+    for a, b in zip(src, dst):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_cpu_pages_round_trip_with_torch(tmp_path: Path, dtype: torch.dtype) -> None:
+    name = "f32" if dtype == torch.float32 else "bf16"
+    layout = Layout.vllm_cpu(4, 2, 64, block_tokens=16, dtype=name)
+    store = Store(str(tmp_path), g2_bytes=64 << 20, g3_bytes=64 << 20)
+    ns = store.namespace(layout, fingerprint=b"model-b")
+    # vLLM's CPU cache: per layer [num_blocks, kv_heads, block_size, 2 * head_size].
+    torch.manual_seed(0)
+    kv = [torch.randn(32, 2, 16, 128).to(dtype) for _ in range(4)]
+    keys = hashes(10)
+    ids = [3, 1, 4, 15, 9, 2, 6, 5, 30, 31]
+    assert all(r == "stored" for r in ns.save_pages(keys, kv, ids).wait())
+    ns.evict_memory()
+    fresh = [torch.zeros_like(t) for t in kv]
+    into = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    res = ns.load_pages(keys, fresh, into).wait()
+    assert all(r.ok and r.tier == "g3" for r in res), res
+    for l in range(4):
+        for k, (a, b) in enumerate(zip(ids, into)):
+            assert torch.equal(kv[l][a], fresh[l][b]), (l, k)
+        # Pages not loaded into stay zero.
+        assert torch.count_nonzero(fresh[l][10:]) == 0
+
+
+def test_a_restarted_process_finds_the_blocks(tmp_path: Path) -> None:
+    layout = Layout.vllm_cpu(2, 1, 64, block_tokens=16)
+    src = pages(layout, 8, 7, "f32")
+    np.save(tmp_path / "src.npy", np.stack(src))
+    store = Store(str(tmp_path / "cache"), g2_bytes=8 << 20, g3_bytes=16 << 20)
+    ns = store.namespace(layout, fingerprint="m", salt=b"tenant-1")
+    assert all(r.ok for r in ns.save_pages(hashes(8), src, range(8)).wait())
+    del ns, store  # closes: G2 is written to G3
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, kvtier
+        src = np.load({str(tmp_path / "src.npy")!r})
+        store = kvtier.Store({str(tmp_path / "cache")!r}, g2_bytes=8 << 20, g3_bytes=16 << 20)
+        layout = kvtier.Layout.vllm_cpu(2, 1, 64, block_tokens=16)
+        keys = [i.to_bytes(8, "little") for i in range(8)]
+        other = store.namespace(layout, fingerprint="m", salt=b"tenant-2", name="other")
+        assert other.lookup(keys) == 0, "another tenant sees the blocks"
+        ns = store.namespace(layout, fingerprint="m", salt=b"tenant-1")
+        assert ns.lookup(keys) == 8
+        dst = [np.zeros_like(src[0]), np.zeros_like(src[1])]
+        res = ns.load_pages(keys, dst, range(8)).wait()
+        assert all(r.tier == "g3" for r in res), res
+        assert (np.stack(dst) == src).all()
+        print("restored 8")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "restored 8" in out.stdout
+
+
+def test_a_flipped_byte_is_corrupt_for_that_block_only(tmp_path: Path) -> None:
+    layout = Layout.vllm_cpu(2, 2, 64, block_tokens=16)
+    store = Store(str(tmp_path), g2_bytes=8 << 20, g3_bytes=16 << 20)
+    ns = store.namespace(layout, fingerprint="m")
+    src = pages(layout, 6, 3, "f32")
+    keys = hashes(6)
+    ns.save_pages(keys, src, range(6)).wait()
+    ns.evict_memory()
+    where = ns.locate(keys[2])
+    assert where is not None
+    path, off = where
+    with open(path, "r+b") as f:
+        f.seek(off + 128 + 77)
+        b = f.read(1)
+        f.seek(off + 128 + 77)
+        f.write(bytes([b[0] ^ 0x40]))
+    dst = [np.full_like(t, 0xEE) for t in src]
+    res = ns.load_pages(keys, dst, range(6)).wait()
+    assert [r.status for r in res] == ["hit", "hit", "corrupt", "hit", "hit", "hit"]
+    assert "checksum" in (res[2].reason or "")
+    for l in range(2):
+        assert (dst[l][2] == 0xEE).all(), "a corrupt block reached memory"
+        for b in (0, 1, 3, 4, 5):
+            np.testing.assert_array_equal(dst[l][b], src[l][b])
+    assert ns.stats()["g3_corrupt_blocks"] == 1
+    # Deleted: a miss from now on.
+    assert ns.lookup(keys[2:3]) == 0
+
+
+def test_a_cancelled_load_writes_only_what_it_reports(tmp_path: Path) -> None:
+    layout = Layout.vllm_cpu(2, 2, 64, block_tokens=16)
+    store = Store(str(tmp_path), g2_bytes=64 << 20, g3_bytes=64 << 20)
+    ns = store.namespace(layout, fingerprint="m")
+    n = 400
+    src = pages(layout, n, 5, "f32")
+    keys = hashes(n)
+    ns.save_pages(keys, src, range(n)).wait()
+    ns.evict_memory()
+    dst = [np.full_like(t, 0xCC) for t in src]
+    t = ns.load_pages(keys, dst, range(n))
+    t.cancel()
+    res = t.wait()
+    assert t.done() and len(t) == n
+    statuses = {r.status for r in res}
+    assert statuses <= {"hit", "cancelled"}, statuses
+    assert "cancelled" in statuses
+    for b, r in enumerate(res):
+        for l in range(2):
+            if r == "hit":
+                np.testing.assert_array_equal(dst[l][b], src[l][b])
+            else:
+                assert (dst[l][b] == 0xCC).all(), f"cancelled block {b} was written"
+
+
+def test_misses_and_a_dead_pool_are_told_apart(tmp_path: Path) -> None:
+    layout = Layout.vllm_cpu(1, 1, 64, block_tokens=16)
+    store = Store(str(tmp_path / "a"), g2_bytes=1 << 20, g3_bytes=4 << 20)
+    ns = store.namespace(layout, fingerprint="m")
+    dst = [np.zeros((2, layout.layer_bytes), np.uint8)]
+    assert [r.status for r in ns.load_pages(hashes(2), dst, [0, 1]).wait()] == ["miss", "miss"]
+    dead = Store(str(tmp_path / "b"), g2_bytes=1 << 20, g3_bytes=4 << 20, remote="redis://127.0.0.1:1")
+    res = dead.namespace(layout, fingerprint="m").load_pages(hashes(2), dst, [0, 1]).wait()
+    assert all(r.status == "error" and "G4" in (r.reason or "") for r in res), res
+
+
+def test_bad_memory_and_arguments_are_refused(tmp_path: Path) -> None:
+    layout = Layout.vllm_cpu(2, 1, 64, block_tokens=16)
+    store = Store(str(tmp_path), g2_bytes=1 << 20, g3_bytes=4 << 20)
+    ns = store.namespace(layout, fingerprint="m")
+    good = [np.zeros((4, layout.layer_bytes), np.uint8) for _ in range(2)]
+    with pytest.raises(ValueError, match="outside"):
+        ns.load_pages(hashes(1), good, [4])
+    with pytest.raises(ValueError, match="2-layer"):
+        ns.load_pages(hashes(1), good[:1], [0])
+    with pytest.raises(ValueError, match="contiguous"):
+        ns.load(hashes(1), [np.zeros((2, layout.payload_bytes), np.uint8)[:, ::2].T])
+    ro = np.zeros(layout.payload_bytes, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        ns.load(hashes(1), [ro])
+    assert ns.save(hashes(1), [ro]).wait()[0] == "stored"  # reading is fine
+    with pytest.raises(ValueError, match="payload"):
+        ns.load(hashes(1), [np.zeros(layout.payload_bytes - 4, np.uint8)])
+    with pytest.raises(ValueError, match="keys but"):
+        ns.load(hashes(2), [np.zeros(layout.payload_bytes, np.uint8)])
+    with pytest.raises(TypeError):
+        ns.lookup(["not bytes"])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        ns.load(hashes(1), [[1, 2]])
+    with pytest.raises(ValueError, match="arrangement"):
+        Layout(1, 1, 8, 4, arrangement="planar")
+    with pytest.raises(ValueError, match="dtype"):
+        Layout(1, 1, 8, 4, dtype="f64")
+    with pytest.raises(ValueError):
+        Layout(0, 1, 8, 4)
+    with pytest.raises(ValueError, match="rank"):
+        Layout(1, 1, 8, 4, tp_rank=2, tp_world=2)
+    with pytest.raises(ValueError, match="another model"):
+        store.namespace(Layout.vllm_cpu(3, 1, 64, block_tokens=16), fingerprint="m", name=ns.name)
+    with pytest.raises(ValueError, match="namespace name"):
+        store.namespace(layout, fingerprint="m", name="../escape")
+    with pytest.raises(kvtier.KvtierError):
+        Store(str(tmp_path / "x"), remote="ftp://nowhere")
+
+
+def test_namespaces_share_g2_and_keys_follow_the_documented_scheme(tmp_path: Path) -> None:
+    store = Store(str(tmp_path), g2_bytes=2 << 20, g3_bytes=16 << 20)
+    a = store.namespace(Layout.vllm_cpu(2, 2, 64, block_tokens=16), fingerprint="a")
+    b = store.namespace(Layout(1, 1, 64, 16, dtype="bf16"), fingerprint="b")
+    assert a.name != b.name
+    assert store.namespace(a.layout, fingerprint="a").name == a.name
+    src = pages(a.layout, 40, 9, "f32")
+    a.save_pages(hashes(40), src, range(40)).wait()
+    assert store.metrics()["g2_used_bytes"] <= 2 << 20
+    a.flush()
+    dst = [np.zeros_like(t) for t in src]
+    assert all(r.ok for r in a.load_pages(hashes(40), dst, range(40)).wait())
+    for x, y in zip(src, dst):
+        np.testing.assert_array_equal(x, y)
+    # docs/keys.md's golden vector: raw key of b"abc" for the golden seed.
+    golden = Store(str(tmp_path / "g")).namespace(
+        Layout(2, 2, 8, 4), fingerprint=b"kvtier-golden-model", salt=b"tenant-a"
+    )
+    assert golden.keys([b"abc"])[0].hex() == "ef79ddfb82bc4c5dfbe2f2ad8f8715b2"
+    assert golden.token_keys(range(4))[0].hex() == "d367b8a181f5f23128d58da0cf8632d9"
+    m = store.metrics()["namespaces"]
+    assert set(m) == {a.name, b.name}
