@@ -27,7 +27,9 @@
 
 pub mod bench_error;
 pub mod checkpoint_bench;
-pub mod device_limit;
+/// The raw O_DIRECT limits, from kvtier-io (the Python package measures
+/// them too).
+pub use kvtier_io::device_limit;
 pub mod endpoint;
 pub mod fill;
 pub mod gates;

@@ -144,6 +144,12 @@ pub struct AllocError {
     pub allocator: &'static str,
 }
 
+impl From<AllocError> for std::io::Error {
+    fn from(e: AllocError) -> Self {
+        std::io::Error::new(std::io::ErrorKind::OutOfMemory, e.to_string())
+    }
+}
+
 /// An owned, initialised, aligned byte buffer with a length that can shrink
 /// and grow within its capacity (zero-filled unless made with
 /// [`AlignedBuf::for_overwrite_in`]).

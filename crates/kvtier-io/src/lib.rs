@@ -7,11 +7,14 @@
 //! * [`direct`]: opening files with `O_DIRECT` and probing whether a
 //!   directory accepts it; the active mode is always reported, never silent.
 //! * [`recycle`]: an allocator that reuses freed buffers (no page faults).
+//! * [`device_limit`]: the device's own O_DIRECT read and write limits,
+//!   measured beside what is benchmarked against them.
 //! * [`safetensors`], [`loader`], [`checkpoint`]: validated safetensors
 //!   reading, the parallel weight loader, crash-safe checkpoints.
 
 pub mod buffer;
 pub mod checkpoint;
+pub mod device_limit;
 pub mod direct;
 pub mod io_engine;
 pub mod io_op;

@@ -1,4 +1,5 @@
-//! The device's own read limit, measured in the same run as the store: one
+//! The device's own read limit, measured in the same run as what is
+//! benchmarked against it (the store, the weight loader, checkpoints): one
 //! large file written and read back sequentially with O_DIRECT, 4 MiB per
 //! I/O by default, 32 in flight, into buffers allocated (and touched) once.
 //!
@@ -10,9 +11,40 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::bench_error::{Result, StepContext, fail};
-use kvtier_io::direct::open_read;
-use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoEngine, IoOp, open_direct};
+use std::io;
+
+use crate::buffer::{AlignedBuf, DIRECT_IO_ALIGN};
+use crate::direct::{open_direct, open_read};
+use crate::io_engine::IoEngine;
+use crate::io_op::IoOp;
+
+type Result<T> = io::Result<T>;
+
+/// An error that is not the OS's: bad arguments or a short read.
+macro_rules! fail {
+    ($($arg:tt)*) => {
+        return Err(io::Error::other(format!($($arg)*)))
+    };
+}
+
+/// Names the step an I/O call was part of, keeping its kind.
+trait StepContext<T> {
+    fn step(self, what: &str) -> Result<T>;
+    fn with_step(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T, E: std::fmt::Display + Into<io::Error>> StepContext<T> for std::result::Result<T, E> {
+    fn step(self, what: &str) -> Result<T> {
+        self.with_step(|| what.to_string())
+    }
+
+    fn with_step(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| {
+            let e: io::Error = e.into();
+            io::Error::new(e.kind(), format!("{}: {e}", what()))
+        })
+    }
+}
 
 /// Bytes per device-limit I/O.
 pub const LIMIT_IO_BYTES: u64 = 4 << 20;
@@ -92,7 +124,8 @@ fn write_sequential(
 pub fn random_write_patterns(io_bytes: usize) -> Result<Vec<Arc<AlignedBuf>>> {
     (0..8u64)
         .map(|k| {
-            let mut b = AlignedBuf::zeroed(io_bytes, DIRECT_IO_ALIGN)?;
+            let mut b =
+                AlignedBuf::zeroed(io_bytes, DIRECT_IO_ALIGN).step("allocating a write pattern")?;
             let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (k + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
             for w in b.chunks_exact_mut(8) {
                 // xorshift64*
@@ -158,7 +191,8 @@ impl DeviceLimit {
         let file = open_direct(path, true, direct)
             .with_step(|| format!("cannot create device-limit file {}", path.display()))?;
         let io = io_bytes as usize;
-        let mut pattern = AlignedBuf::zeroed(io, DIRECT_IO_ALIGN)?;
+        let mut pattern =
+            AlignedBuf::zeroed(io, DIRECT_IO_ALIGN).step("allocating a write pattern")?;
         for (i, b) in pattern.iter_mut().enumerate() {
             *b = (i % 251) as u8 ^ 0xa5;
         }
@@ -166,7 +200,7 @@ impl DeviceLimit {
         let n = bytes / io_bytes;
         let pool = (0..n)
             .map(|_| AlignedBuf::zeroed(io, DIRECT_IO_ALIGN))
-            .collect::<Result<Vec<_>, _>>()
+            .collect::<std::result::Result<Vec<_>, _>>()
             .step("allocating device-limit read buffers")?;
         Ok((
             Self {
@@ -221,7 +255,7 @@ impl DeviceLimit {
         }
         let pool = (0..reads.len())
             .map(|_| AlignedBuf::zeroed(io_bytes as usize, DIRECT_IO_ALIGN))
-            .collect::<Result<Vec<_>, _>>()
+            .collect::<std::result::Result<Vec<_>, _>>()
             .step("allocating device-limit read buffers")?;
         Ok(Self {
             files,
@@ -300,7 +334,7 @@ mod tests {
     #[test]
     fn writes_and_reads_back() {
         let dir = tempfile::tempdir().unwrap();
-        let direct = kvtier_io::probe_direct(dir.path()).direct;
+        let direct = crate::probe_direct(dir.path()).direct;
         let engine = IoEngine::shared();
         let (mut lim, w) =
             DeviceLimit::create(&dir.path().join("limit"), 8 << 20, direct, engine).unwrap();
@@ -313,7 +347,7 @@ mod tests {
     #[test]
     fn measures_writes_and_removes_the_file() {
         let dir = tempfile::tempdir().unwrap();
-        let direct = kvtier_io::probe_direct(dir.path()).direct;
+        let direct = crate::probe_direct(dir.path()).direct;
         let patterns = random_write_patterns(1 << 20).unwrap();
         assert_eq!(patterns.len(), 8);
         assert_ne!(patterns[0][..64], patterns[1][..64]);
@@ -326,7 +360,7 @@ mod tests {
     #[test]
     fn measures_over_existing_files() {
         let dir = tempfile::tempdir().unwrap();
-        let direct = kvtier_io::probe_direct(dir.path()).direct;
+        let direct = crate::probe_direct(dir.path()).direct;
         let a = dir.path().join("a");
         let b = dir.path().join("b");
         std::fs::write(&a, vec![1u8; (3 << 20) + 100]).unwrap();
@@ -344,7 +378,7 @@ mod tests {
     #[test]
     fn larger_reads_round_the_file_up() {
         let dir = tempfile::tempdir().unwrap();
-        let direct = kvtier_io::probe_direct(dir.path()).direct;
+        let direct = crate::probe_direct(dir.path()).direct;
         let engine = IoEngine::shared();
         let (mut lim, _) =
             DeviceLimit::create_with_io(&dir.path().join("l"), 5 << 20, 2 << 20, direct, engine)
