@@ -14,12 +14,15 @@
 //! * [`array_input`]: reading the bytes of numpy arrays handed in;
 //! * [`py_error`]: every Rust error as a `kvtier.errors` exception.
 //!
+//! * [`py_device`]: `device_read_gbps`, the device's read limit for the
+//!   benchmarks;
 //! * [`py_store`]: `Store`, `Namespace`, `Layout`, `Transfer`,
 //!   `BlockResult`: the tiered KV store (`kvtier.Store`).
 
 mod array_input;
 mod host_buffer;
 mod py_checkpoint;
+mod py_device;
 mod py_error;
 mod py_load;
 mod py_store;
@@ -34,6 +37,7 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_load::load_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(py_checkpoint::save_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(py_checkpoint::load_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(py_device::device_read_gbps, m)?)?;
     m.add_class::<py_store::Store>()?;
     m.add_class::<py_store::Namespace>()?;
     m.add_class::<py_store::Layout>()?;
