@@ -67,7 +67,9 @@ pub(crate) fn array_bytes(
             array.get_type().name()?
         )));
     }
-    let iface = array.getattr("__array_interface__")?.cast_into::<PyDict>()?;
+    let iface = array
+        .getattr("__array_interface__")?
+        .cast_into::<PyDict>()?;
     let item = |key: &str| -> PyResult<Bound<'_, PyAny>> {
         iface
             .get_item(key)?

@@ -144,15 +144,21 @@ mod tests {
     #[test]
     fn stale_probe_files_are_those_of_dead_processes() {
         let me = std::process::id();
-        assert!(!is_stale_probe_file(&format!(".kvtier-direct-probe-{me}-0")));
+        assert!(!is_stale_probe_file(&format!(
+            ".kvtier-direct-probe-{me}-0"
+        )));
         // The parent of a test process is alive.
         let parent = std::os::unix::process::parent_id();
-        assert!(!is_stale_probe_file(&format!(".kvtier-direct-probe-{parent}-3")));
+        assert!(!is_stale_probe_file(&format!(
+            ".kvtier-direct-probe-{parent}-3"
+        )));
         // A child that has exited and been reaped no longer exists.
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let pid = child.id();
         child.wait().unwrap();
-        assert!(is_stale_probe_file(&format!(".kvtier-direct-probe-{pid}-7")));
+        assert!(is_stale_probe_file(&format!(
+            ".kvtier-direct-probe-{pid}-7"
+        )));
         for other in [
             "manifest.json",
             ".kvtier-direct-probe-",

@@ -304,7 +304,12 @@ fn disk_full_save_fails_cleanly_and_keeps_the_previous_checkpoint() {
 #[test]
 fn a_probe_file_left_by_a_killed_save_is_removed_by_the_next_save() {
     let dir = tempfile::tempdir().unwrap();
-    checkpoint::save(dir.path(), &tensor_refs(&generation_tensors(1)), &kill_opts()).unwrap();
+    checkpoint::save(
+        dir.path(),
+        &tensor_refs(&generation_tensors(1)),
+        &kill_opts(),
+    )
+    .unwrap();
     // A save killed inside its O_DIRECT probe leaves the probe's scratch
     // file, named after its (now dead) process.
     let mut dead = Command::new("true").spawn().unwrap();
@@ -312,11 +317,19 @@ fn a_probe_file_left_by_a_killed_save_is_removed_by_the_next_save() {
     dead.wait().unwrap();
     let stale = format!(".kvtier-direct-probe-{dead_pid}-0");
     // One of a live process may be a probe in progress: it stays.
-    let live = format!(".kvtier-direct-probe-{}-0", std::os::unix::process::parent_id());
+    let live = format!(
+        ".kvtier-direct-probe-{}-0",
+        std::os::unix::process::parent_id()
+    );
     for name in [&stale, &live] {
         fs::write(dir.path().join(name), [0u8; 4096]).unwrap();
     }
-    checkpoint::save(dir.path(), &tensor_refs(&generation_tensors(2)), &kill_opts()).unwrap();
+    checkpoint::save(
+        dir.path(),
+        &tensor_refs(&generation_tensors(2)),
+        &kill_opts(),
+    )
+    .unwrap();
     let files = all_files(dir.path());
     assert!(!files.contains(&stale), "{files:?}");
     assert!(files.contains(&live), "{files:?}");
