@@ -14,6 +14,15 @@ use crate::array_input::{ArrayBytes, array_bytes};
 use crate::host_buffer::{HostBuffer, TensorSpan, hand_over, spans};
 use crate::py_error::{ErrorInfo, Kind, checkpoint_error};
 
+/// What `load_checkpoint` returns: the shard buffers, the tensors in the
+/// order saved, the generation and the caller's metadata.
+type LoadedCheckpoint = (
+    Vec<HostBuffer>,
+    Vec<TensorSpan>,
+    u64,
+    BTreeMap<String, String>,
+);
+
 /// Saves `tensors`, each `(name, dtype, array)` with `array` a C-contiguous
 /// little-endian `numpy.ndarray` of `dtype`'s element size, as a new
 /// checkpoint generation in `dir`, and returns once it is committed and
@@ -93,12 +102,7 @@ pub(crate) fn load_checkpoint(
     py: Python<'_>,
     dir: PathBuf,
     verify: bool,
-) -> PyResult<(
-    Vec<HostBuffer>,
-    Vec<TensorSpan>,
-    u64,
-    BTreeMap<String, String>,
-)> {
+) -> PyResult<LoadedCheckpoint> {
     let opts = LoadOptions {
         verify,
         ..LoadOptions::default()
