@@ -32,9 +32,10 @@
 //! checked before a byte reaches the caller. So this is the one bounce
 //! direct I/O demands, and it is the only copy.
 //!
-//! Work is cut into chunks of [`CHUNK_BLOCKS`], run by the store's reader
-//! (loads) or saver (saves) threads, so one chunk's copies overlap the
-//! next one's reads.
+//! Work is cut into chunks of about [`CHUNK_BYTES`] (4 to 64 blocks,
+//! [`chunk_blocks`]), run by the store's reader (loads) or saver (saves)
+//! threads, so one chunk's copies overlap the next one's reads and each
+//! chunk has enough reads in flight to keep the device busy.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,8 +47,14 @@ use crate::kv_layout::KvLayout;
 use crate::metrics::Tier;
 use crate::store::{StoreError, TieredStore};
 
-/// Blocks per unit of work on a store thread.
-pub const CHUNK_BLOCKS: usize = 16;
+/// Bytes of blocks per unit of work on a store thread.
+pub const CHUNK_BYTES: u64 = 64 << 20;
+
+/// Blocks per unit of work for blocks of `layout`: [`CHUNK_BYTES`] of
+/// slots, at least 4 and at most 64.
+pub fn chunk_blocks(layout: &KvLayout) -> usize {
+    (CHUNK_BYTES / layout.encoded_bytes().max(1)).clamp(4, 64) as usize
+}
 
 /// What a load or a save did with one block.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -374,10 +381,11 @@ impl TieredStore {
                 regions.len()
             )));
         }
-        let chunks = keys.len().div_ceil(CHUNK_BLOCKS);
+        let per = chunk_blocks(&self.layout());
+        let chunks = keys.len().div_ceil(per);
         let transfer = Transfer::start(keys.len(), chunks, notify);
-        for (c, chunk_keys) in keys.chunks(CHUNK_BLOCKS).enumerate() {
-            let first = c * CHUNK_BLOCKS;
+        for (c, chunk_keys) in keys.chunks(per).enumerate() {
+            let first = c * per;
             let chunk_regions: Vec<BlockRegions> = regions
                 .drain(..chunk_keys.len().min(regions.len()))
                 .collect();

@@ -111,10 +111,9 @@ def child(loader: str, files: list[str]) -> int:
     try:
         import torch  # noqa: F401
 
-        if loader != "kvtier":
-            mod = CONTENDERS[loader]
-            if mod is not None:
-                __import__(mod[0])
+        mod = CONTENDERS[loader]
+        # Imports are not part of the load: kvtier's too.
+        __import__(mod[0] if mod is not None else "kvtier")
         print(json.dumps({"ready": True}), flush=True)
         sys.stdin.readline()
         t = time.perf_counter()
