@@ -610,9 +610,10 @@ impl Store {
             layout,
         ));
         config.remote = self.remote.as_ref().map(RemoteConfig::new);
-        let store = py
-            .detach(|| TieredStore::open(config))
-            .map_err(store_error)?;
+        // Opened with the GIL held: the namespace lock is held too, and a
+        // thread waiting for that lock holds the GIL (releasing it here
+        // could deadlock the two).
+        let store = TieredStore::open(config).map_err(store_error)?;
         let ns = Py::new(
             py,
             Namespace {
