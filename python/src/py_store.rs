@@ -149,7 +149,7 @@ impl Layout {
     /// Bytes of one layer of one block.
     #[getter]
     fn layer_bytes(&self) -> u64 {
-        self.inner.region_bytes() * u64::from(self.inner.arrangement.parts())
+        self.inner.layer_bytes()
     }
     /// Bytes one block occupies on disk.
     #[getter]
@@ -178,18 +178,11 @@ impl Layout {
     /// layer for `layer-fused`, `latent` and `layer-major`; per layer and
     /// part (all K, then all V) for `kv-major`.
     fn regions(&self) -> Vec<(u64, u64)> {
-        let l = &self.inner;
-        match l.arrangement {
-            Arrangement::KvMajor => [Part::K, Part::V]
-                .into_iter()
-                .flat_map(|p| (0..l.layers).filter_map(move |i| l.part_range(i, p)))
-                .map(|r| (r.start, r.end))
-                .collect(),
-            _ => (0..l.layers)
-                .filter_map(|i| l.layer_range(i))
-                .map(|r| (r.start, r.end))
-                .collect(),
-        }
+        self.inner
+            .regions()
+            .into_iter()
+            .map(|r| (r.start, r.end))
+            .collect()
     }
 
     fn __repr__(&self) -> String {

@@ -45,7 +45,7 @@ fn page_regions(
     tensors: &mut [Vec<f32>],
     page: usize,
 ) -> Result<BlockRegions, Box<dyn Error>> {
-    let floats = (layout.region_bytes() * 2 / 4) as usize;
+    let floats = (layout.layer_bytes() / 4) as usize;
     let mut pieces = Vec::new();
     for (l, t) in tensors.iter_mut().enumerate() {
         let range = layout.layer_range(l as u32).ok_or("a layer-fused layout")?;
@@ -64,7 +64,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         None => std::env::temp_dir().join(format!("kvtier-engine-pages-{}", std::process::id())),
     };
     let layout = KvLayout::vllm_cpu(LAYERS, 2, 64, 16, KvDtype::F32);
-    let floats = (layout.region_bytes() * 2 / 4) as usize;
+    let floats = (layout.layer_bytes() / 4) as usize;
     // The engine's own block hashes (vLLM's chain its parents), scoped by
     // model, layout and tenant into store keys (docs/keys.md).
     let chain = KeyChain::new(

@@ -276,6 +276,27 @@ impl KvLayout {
         Some(index * r..(index + 1) * r)
     }
 
+    /// Bytes of one layer of one block: its regions together (for a valid
+    /// layout).
+    pub fn layer_bytes(&self) -> u64 {
+        self.checked_layer_bytes().unwrap_or(u64::MAX)
+    }
+
+    /// The byte ranges of a block's regions in payload order: per layer
+    /// where a layer is contiguous (layer-major, layer-fused, latent), per
+    /// layer and part, all K then all V, for kv-major. For a valid layout.
+    pub fn regions(&self) -> Vec<std::ops::Range<u64>> {
+        match self.arrangement {
+            Arrangement::KvMajor => [Part::K, Part::V]
+                .into_iter()
+                .flat_map(|p| (0..self.layers).filter_map(move |l| self.part_range(l, p)))
+                .collect(),
+            _ => (0..self.layers)
+                .filter_map(|l| self.layer_range(l))
+                .collect(),
+        }
+    }
+
     /// Where all of layer `layer` sits in the payload (byte range), for the
     /// arrangements that keep a layer contiguous (LayerMajor, LayerFused,
     /// Latent); `None` for KvMajor or past the last layer. For a valid
@@ -284,7 +305,7 @@ impl KvLayout {
         if layer >= self.layers || self.arrangement == Arrangement::KvMajor {
             return None;
         }
-        let n = self.region_bytes() * u64::from(self.arrangement.parts());
+        let n = self.layer_bytes();
         let l = u64::from(layer);
         Some(l * n..(l + 1) * n)
     }

@@ -83,7 +83,7 @@ impl Cache {
 }
 
 fn layer_bytes(l: &KvLayout) -> usize {
-    (l.region_bytes() * u64::from(l.arrangement.parts())) as usize
+    l.layer_bytes() as usize
 }
 
 fn config(layout: KvLayout, dir: &std::path::Path, g2_blocks: u64) -> StoreConfig {
