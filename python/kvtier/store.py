@@ -104,9 +104,11 @@ class Namespace:
         """The 16-byte store keys of ``hashes`` (docs/keys.md, raw keys)."""
         return self._ns.keys(_hashes(hashes))
 
-    def token_keys(self, tokens: Sequence[int]) -> list[bytes]:
-        """The store keys of token ids, one per full block (docs/keys.md)."""
-        return self._ns.token_keys(list(tokens))
+    def token_keys(self, tokens: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        """The store keys of token ids, one per full block (docs/keys.md);
+        ``salt`` is a request's own salt (vLLM's ``cache_salt``): two salts
+        never share a key, the empty salt is the namespace's own chain."""
+        return self._ns.token_keys(list(tokens), bytes(salt))
 
     def lookup(self, keys: Sequence[BlockHash]) -> int:
         """How many leading blocks of ``keys`` the store holds, in any tier."""

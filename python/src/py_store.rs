@@ -409,8 +409,16 @@ impl Namespace {
 
     /// The store keys of token ids, `block_tokens` per block, chained
     /// (docs/keys.md: token keys); a trailing partial block has none.
-    fn token_keys<'py>(&self, py: Python<'py>, tokens: Vec<u32>) -> Vec<Bound<'py, PyBytes>> {
+    /// `salt` is a request's own salt (docs/keys.md: request salts).
+    #[pyo3(signature = (tokens, salt = b"".as_slice()))]
+    fn token_keys<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: Vec<u32>,
+        salt: &[u8],
+    ) -> Vec<Bound<'py, PyBytes>> {
         self.chain
+            .salted(salt)
             .keys(&tokens)
             .iter()
             .map(|k| PyBytes::new(py, k.as_bytes()))

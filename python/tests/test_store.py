@@ -259,5 +259,8 @@ def test_namespaces_share_g2_and_keys_follow_the_documented_scheme(tmp_path: Pat
     )
     assert golden.keys([b"abc"])[0].hex() == "ef79ddfb82bc4c5dfbe2f2ad8f8715b2"
     assert golden.token_keys(range(4))[0].hex() == "d367b8a181f5f23128d58da0cf8632d9"
+    salted = golden.token_keys(range(4), salt=b"req-salt")[0].hex()
+    assert salted == "5dd51103fa28ad9cdcd31996e7cfe01d"  # docs/keys.md, request salts
+    assert golden.token_keys(range(4), salt=b"") == golden.token_keys(range(4))
     m = store.metrics()["namespaces"]
     assert set(m) == {a.name, b.name}

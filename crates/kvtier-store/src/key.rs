@@ -23,6 +23,9 @@ pub const KEYCHAIN_DOMAIN: &str = "kvtier.keychain.v1";
 /// ([`KeyChain::raw_key`]), so a raw key never equals a token-chain key.
 pub const RAWKEY_DOMAIN: &str = "kvtier.rawkey.v1";
 
+/// Domain string of a request salt added to a chain ([`KeyChain::salted`]).
+pub const SALT_DOMAIN: &str = "kvtier.salt.v1";
+
 /// The 128-bit name of one KV block (and of the whole prefix it ends).
 ///
 /// `Debug` and `Display` print 32 lower-case hex digits.
@@ -184,6 +187,26 @@ impl KeyChain {
         BlockKey(h.digest128().to_le_bytes())
     }
 
+    /// This chain with a request's salt added (vLLM's `cache_salt`, a
+    /// tenant id per request): the seed becomes
+    /// `XXH3-128(field(SALT_DOMAIN) || field(seed) || field(salt))`. An
+    /// empty salt gives this chain itself, so unsalted requests share the
+    /// namespace's keys; two different salts never share a key.
+    pub fn salted(&self, salt: &[u8]) -> KeyChain {
+        if salt.is_empty() {
+            return self.clone();
+        }
+        let mut h = Xxh3Default::new();
+        for field in [SALT_DOMAIN.as_bytes(), &self.seed.0[..], salt] {
+            h.update(&(field.len() as u64).to_le_bytes());
+            h.update(field);
+        }
+        KeyChain {
+            seed: BlockKey(h.digest128().to_le_bytes()),
+            block_tokens: self.block_tokens,
+        }
+    }
+
     /// The key of an engine's own block hash `raw` (any bytes: vLLM's block
     /// hash, a content digest) in this chain's model, layout and tenant:
     /// `XXH3-128(field(RAWKEY_DOMAIN) || field(seed) || field(raw))`, with
@@ -332,6 +355,20 @@ mod tests {
             chain.keys(&[0, 1, 2, 3])[0].to_hex(),
             "057b7b1c56e2c60123e1ba22fa05656f"
         );
+    }
+
+    #[test]
+    fn golden_salted_chain() {
+        let chain = golden_chain();
+        let salted = chain.salted(b"req-salt");
+        assert_eq!(salted.seed().to_hex(), "82b33b0a29a54ab0127a43a243449838");
+        assert_eq!(
+            salted.keys(&[0, 1, 2, 3])[0].to_hex(),
+            "5dd51103fa28ad9cdcd31996e7cfe01d"
+        );
+        assert_eq!(chain.salted(b"").seed(), chain.seed());
+        assert_ne!(chain.salted(b"a").seed(), chain.salted(b"b").seed());
+        assert_ne!(chain.salted(b"a").seed(), chain.seed());
     }
 
     #[test]

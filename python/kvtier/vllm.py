@@ -1,0 +1,787 @@
+"""kvtier under vLLM: :class:`KvtierConnector`, a KV connector
+(``KVConnectorBase_V1``) that keeps every computed prefix block in kvtier's
+tiered store (G2 host memory, G3 a directory, G4 a shared Redis/Valkey or S3
+pool) and restores it instead of recomputing, across requests, restarts and
+nodes. Every block is verified on the way back; a block that is missing or
+corrupt is reported to vLLM, which recomputes it: wrong KV is never served.
+
+Start vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"cache_dir": "/var/cache/kvtier",
+            "g2_bytes": 4294967296, "g3_bytes": 68719476736,
+            "remote": "redis://pool:6379"}}'
+    --disable-hybrid-kv-cache-manager
+
+``kv_load_failure_policy: "recompute"`` makes vLLM recompute a block that
+failed to load; vLLM's default (``"fail"``) fails the request instead, and
+the connector warns about it at start.
+
+``kv_connector_extra_config`` keys (all optional):
+
+- ``cache_dir``: the store's directory (default ``$XDG_CACHE_HOME/kvtier/vllm``);
+- ``g2_bytes`` (default 1 GiB), ``g3_bytes`` (default 8 GiB): G2 and G3 budgets;
+- ``remote``: a G4 pool URL (``redis://``, ``rediss://``, ``redis+cluster://``,
+  ``s3://``), shared by every node that names it;
+- ``namespace``: the G3 directory's name under ``cache_dir`` (default:
+  derived from the model and layout);
+- ``fingerprint``: names the weights (default: the model's name, revision,
+  its config.json and the sizes of its weight files; KV of another
+  fingerprint is never served);
+- ``load_async`` (default true): restores run between scheduler steps while
+  other requests keep decoding; false restores inside the step that needs
+  them.
+
+Decisions (where vLLM leaves a choice):
+
+- **Keys.** Blocks are named by kvtier's chained token keys
+  (docs/keys.md), one vLLM block (128 tokens on CPU) = one kvtier block,
+  salted by the request's ``cache_salt`` and its LoRA adapter, scoped by
+  the model fingerprint and the layout. vLLM's own ``request.block_hashes``
+  are not used: unless ``PYTHONHASHSEED`` is set, vLLM seeds them at random
+  in every process, so they would never match after a restart or on another
+  node. Requests with multi-modal inputs are neither restored nor saved
+  (their KV depends on more than tokens).
+- **What is saved.** The full blocks of a request's prompt, once the request
+  finishes (its blocks are held until the save has copied them, through
+  ``request_finished`` -> ``get_finished``). Saves copy pages on kvtier's
+  threads, off vLLM's step; a finished save is flushed to G3 in the
+  background so it survives a restart.
+- **Layer pipelining.** A block is checksummed whole, so a layer cannot be
+  used before its block is verified: ``wait_for_layer_load`` has nothing to
+  wait for (sync loads are waited for in ``start_load_kv``; async loads
+  between steps).
+- **Memory.** The CPU backend's per-layer tensors ``[num_blocks,
+  num_kv_heads, block_size, 2 * head_size]`` are read and written in place
+  (``Layout.vllm_cpu``). KV caches on an accelerator are staged through a
+  pinned host buffer per transfer (:class:`_Staging`).
+- **Tensor parallelism.** Each rank keeps its own shard (the layout carries
+  rank and world); the scheduler looks up rank 0's shard, and a rank that
+  lacks a block reports it as a load error, so vLLM recomputes it.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import os
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.logger import init_logger
+
+from .store import Layout, Namespace, Store, Transfer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats", "connector_namespace"]
+
+# Under vLLM's logger, so that its handlers print kvtier's lines.
+logger = init_logger("vllm.kvtier")
+
+_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+@dataclass
+class _Job:
+    """One request's blocks to load or save: blocks ``first ..
+    first + len(block_ids)`` of ``tokens`` (whole blocks, keyed with
+    ``salt``), to or from the vLLM blocks ``block_ids`` in order. Keys are
+    computed by the worker, which holds the namespace."""
+
+    req_id: str
+    tokens: list[int]
+    salt: bytes
+    first: int
+    block_ids: list[int]
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side asks of the workers in one step."""
+
+    loads: list[_Job] = field(default_factory=list)
+    saves: list[_Job] = field(default_factory=list)
+    #: Whether ``loads`` are asynchronous (finished between steps).
+    load_async: bool = True
+
+
+@dataclass
+class _Match:
+    """The last lookup of a request (``get_num_new_matched_tokens``)."""
+
+    local_tokens: int
+    hit_blocks: int
+
+
+def _extra(vllm_config: VllmConfig) -> dict[str, Any]:
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+    known = {"cache_dir", "g2_bytes", "g3_bytes", "remote", "namespace", "fingerprint", "load_async"}
+    unknown = set(extra) - known
+    if unknown:
+        raise ValueError(
+            f"kvtier: unknown kv_connector_extra_config keys {sorted(unknown)}; known: {sorted(known)}"
+        )
+    return extra
+
+
+def _fingerprint(vllm_config: VllmConfig) -> str:
+    """Names the weights: the model, its revision and, for a local
+    directory, its config.json and the names and sizes of its weight files."""
+    mc = vllm_config.model_config
+    parts: dict[str, Any] = {
+        "model": str(mc.model),
+        "revision": str(getattr(mc, "revision", None)),
+        "quantization": str(getattr(mc, "quantization", None)),
+    }
+    root = Path(str(mc.model))
+    if root.is_dir():
+        config = root / "config.json"
+        if config.is_file():
+            parts["config"] = hashlib.sha256(config.read_bytes()).hexdigest()
+        parts["weights"] = sorted(
+            (p.name, p.stat().st_size)
+            for p in root.iterdir()
+            if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file()
+        )
+    return "vllm:" + json.dumps(parts, sort_keys=True)
+
+
+def _layout(vllm_config: VllmConfig, rank: int) -> Layout:
+    """The per-rank block layout vLLM's config implies (the workers check
+    it against the tensors they are given)."""
+    from vllm.utils.torch_utils import get_kv_cache_torch_dtype
+
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    torch_dtype = get_kv_cache_torch_dtype(vllm_config.cache_config.cache_dtype, mc.dtype)
+    dtype = _DTYPES.get(torch_dtype)
+    if dtype is None:
+        raise ValueError(f"kvtier: KV cache dtype {torch_dtype} is not supported (f32, f16, bf16)")
+    return Layout.vllm_cpu(
+        mc.get_num_layers(pc),
+        mc.get_num_kv_heads(pc),
+        mc.get_head_size(),
+        block_tokens=vllm_config.cache_config.block_size,
+        dtype=dtype,
+        tp_rank=rank,
+        tp_world=pc.tensor_parallel_size,
+    )
+
+
+_STORES: dict[str, Store] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _store(extra: dict[str, Any]) -> Store:
+    """One store per cache directory and process: vLLM builds the scheduler
+    and the worker side in one process on the CPU backend, and two stores
+    must never share one directory."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvtier" / "vllm"
+    cache_dir = os.path.realpath(str(extra.get("cache_dir", default)))
+    with _STORES_LOCK:
+        store = _STORES.get(cache_dir)
+        if store is None:
+            os.makedirs(cache_dir, exist_ok=True)
+            store = Store(
+                cache_dir,
+                g2_bytes=int(extra.get("g2_bytes", 1 << 30)),
+                g3_bytes=int(extra.get("g3_bytes", 8 << 30)),
+                remote=extra.get("remote"),
+            )
+            _STORES[cache_dir] = store
+        return store
+
+
+def connector_namespace(vllm_config: VllmConfig, rank: int = 0) -> Namespace:
+    """The store namespace :class:`KvtierConnector` uses for ``rank`` (to
+    inspect or prepare a cache from outside vLLM)."""
+    extra = _extra(vllm_config)
+    layout = _layout(vllm_config, rank)
+    fingerprint = str(extra.get("fingerprint") or _fingerprint(vllm_config))
+    return _store(extra).namespace(layout, fingerprint=fingerprint, name=extra.get("namespace"))
+
+
+def request_salt(cache_salt: str | None, lora_name: str | None) -> bytes:
+    """The key salt of a request: its ``cache_salt`` and LoRA adapter
+    (empty for neither, so such requests share keys)."""
+    if not cache_salt and not lora_name:
+        return b""
+    return json.dumps([cache_salt or "", lora_name or ""]).encode()
+
+
+def _salt(request: Request) -> bytes:
+    lora = getattr(request, "lora_request", None)
+    return request_salt(getattr(request, "cache_salt", None), lora.lora_name if lora else None)
+
+
+class _Staging:
+    """Host pages for KV caches that are not in host memory (an
+    accelerator's): per transfer a pinned buffer of ``[blocks, layers,
+    page]``, copied to or from the device tensors with torch."""
+
+    def __init__(self, layers: list[torch.Tensor], layout: Layout) -> None:
+        self.layers = layers
+        self.page_elems = layout.layer_bytes // layers[0].element_size()
+
+    def buffer(self, blocks: int) -> torch.Tensor:
+        t = self.layers[0]
+        return torch.empty(
+            (len(self.layers), blocks, self.page_elems), dtype=t.dtype, pin_memory=torch.cuda.is_available()
+        )
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        host = self.buffer(len(block_ids))
+        idx = torch.tensor(block_ids, device=self.layers[0].device)
+        for l, t in enumerate(self.layers):
+            host[l].copy_(t.reshape(t.shape[0], -1).index_select(0, idx))
+        return host
+
+    def scatter(self, host: torch.Tensor, block_ids: list[int]) -> None:
+        idx = torch.tensor(block_ids, device=self.layers[0].device)
+        for l, t in enumerate(self.layers):
+            t.view(t.shape[0], -1).index_copy_(0, idx, host[l].to(t.device, non_blocking=True))
+
+
+@dataclass
+class _Running:
+    """A transfer in flight on the worker side."""
+
+    job: _Job
+    transfer: Transfer
+    started: float
+    #: Host pages of a staged (accelerator) transfer.
+    host: torch.Tensor | None = None
+
+
+def _lookup_address(vllm_config: VllmConfig) -> tuple[str, bytes]:
+    """The lookup socket of one vLLM engine (a Linux abstract socket: no
+    file to clean up) and its auth key, both from the engine id the
+    scheduler and the workers share."""
+    ktc = vllm_config.kv_transfer_config
+    engine = str(getattr(ktc, "engine_id", "") or "")
+    digest = hashlib.sha256(f"kvtier.vllm.lookup:{engine}".encode()).hexdigest()
+    return f"\0kvtier-vllm-{digest[:24]}", digest.encode()
+
+
+def _encode_lookup(tokens: list[int], salt: bytes) -> bytes:
+    return len(salt).to_bytes(4, "little") + salt + array.array("I", tokens).tobytes()
+
+
+def _decode_lookup(msg: bytes) -> tuple[list[int], bytes]:
+    n = int.from_bytes(msg[:4], "little")
+    salt = msg[4 : 4 + n]
+    tokens = array.array("I")
+    tokens.frombytes(msg[4 + n :])
+    return tokens.tolist(), salt
+
+
+class _LookupServer:
+    """Rank 0's worker answers the scheduler's lookups: vLLM runs the
+    scheduler in another process than the workers, and only the workers
+    open the store (a store directory has one owner). A request is whole
+    blocks of tokens and a salt; the answer is how many leading blocks the
+    store holds, in any tier."""
+
+    def __init__(self, vllm_config: VllmConfig, ns: Namespace) -> None:
+        self._ns = ns
+        address, key = _lookup_address(vllm_config)
+        self._listener = Listener(address, family="AF_UNIX", authkey=key)
+        self._thread = threading.Thread(target=self._accept, name="kvtier-lookup", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return
+            except Exception as e:  # noqa: BLE001 - a client with a wrong key: refuse it, keep serving
+                logger.warning("kvtier: lookup connection refused: %s", e)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="kvtier-lookup-conn", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        with conn:
+            while True:
+                try:
+                    msg = conn.recv_bytes()
+                except (EOFError, OSError):
+                    return
+                try:
+                    tokens, salt = _decode_lookup(msg)
+                    hit = self._ns.lookup(self._ns.token_keys(tokens, salt=salt))
+                except Exception as e:  # noqa: BLE001 - a failed lookup is a miss, logged
+                    logger.warning("kvtier: lookup failed (counted as a miss): %s", e)
+                    hit = 0
+                conn.send_bytes(hit.to_bytes(8, "little"))
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+class _LookupClient:
+    """The scheduler's side of :class:`_LookupServer`: connects on first
+    use, waits for the worker for up to a minute, and counts every error as
+    a miss (recompute, never a stall)."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self._address, self._key = _lookup_address(vllm_config)
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()
+
+    def lookup(self, tokens: list[int], salt: bytes) -> int:
+        with self._lock:
+            for attempt in range(2):
+                try:
+                    if self._conn is None:
+                        self._conn = self._connect()
+                    self._conn.send_bytes(_encode_lookup(tokens, salt))
+                    return int.from_bytes(self._conn.recv_bytes(), "little")
+                except (OSError, EOFError) as e:
+                    self._conn = None
+                    if attempt == 1:
+                        logger.warning("kvtier: lookup failed (a miss): %s", e)
+            return 0
+
+    def _connect(self) -> Connection:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return Client(self._address, family="AF_UNIX", authkey=self._key)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """vLLM KV connector over kvtier's tiered store (see the module's
+    documentation for the configuration and the decisions it makes)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = _extra(vllm_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._load_async = bool(extra.get("load_async", True))
+        ktc = vllm_config.kv_transfer_config
+        if role == KVConnectorRole.SCHEDULER and getattr(ktc, "kv_load_failure_policy", "") != "recompute":
+            logger.warning(
+                "kvtier: kv_load_failure_policy is %r: a block that fails its checksum fails its "
+                'request; set "kv_load_failure_policy": "recompute" to recompute it instead',
+                getattr(ktc, "kv_load_failure_policy", None),
+            )
+        # Scheduler side.
+        self._lookup = _LookupClient(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        self._matches: dict[str, _Match] = {}
+        self._loading: set[str] = set()
+        self._pending_loads: list[_Job] = []
+        self._pending_saves: list[_Job] = []
+        # Worker side.
+        self._ns: Namespace | None = None
+        self._server: _LookupServer | None = None
+        self._layers: list[torch.Tensor] = []
+        self._staging: _Staging | None = None
+        self._loads: dict[str, _Running] = {}
+        self._saves: dict[str, _Running] = {}
+        self._finished_seen: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._stats = KvtierConnectorStats()
+        self._flusher: _Flusher | None = None
+
+    # ---------------------------------------------------------- scheduler
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` whose blocks kvtier holds
+        (whole blocks; the prompt's last token is always computed)."""
+        assert self._lookup is not None
+        if getattr(request, "mm_features", None):
+            return 0, False
+        tokens = list(request.prompt_token_ids or [])
+        cacheable = (len(tokens) - 1) // self._block_size
+        if cacheable <= num_computed_tokens // self._block_size:
+            return 0, False
+        hit = self._lookup.lookup(tokens[: cacheable * self._block_size], _salt(request))
+        external = hit * self._block_size - num_computed_tokens
+        # A pure memo of the last answer (vLLM may ask again): used by
+        # update_state_after_alloc and request_finished.
+        self._matches[request.request_id] = _Match(num_computed_tokens, hit)
+        if external <= 0:
+            return 0, False
+        return external, self._load_async
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Queues the load of the blocks vLLM allocated for the external
+        tokens."""
+        if num_external_tokens <= 0:
+            return
+        m = self._matches.get(request.request_id)
+        if m is None or num_external_tokens % self._block_size:
+            raise RuntimeError(
+                f"kvtier: {num_external_tokens} external tokens for request {request.request_id} "
+                "do not match its lookup"
+            )
+        first = m.local_tokens // self._block_size
+        count = num_external_tokens // self._block_size
+        block_ids = list(blocks.get_block_ids()[0])
+        if first + count > min(len(block_ids), m.hit_blocks):
+            raise RuntimeError(f"kvtier: request {request.request_id} has too few blocks for its load")
+        tokens = list(request.prompt_token_ids or [])[: (first + count) * self._block_size]
+        self._pending_loads.append(
+            _Job(request.request_id, tokens, _salt(request), first, block_ids[first : first + count])
+        )
+        if self._load_async:
+            self._loading.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Hands this step's loads and saves to the workers."""
+        meta = KvtierConnectorMetadata(self._pending_loads, self._pending_saves, self._load_async)
+        self._pending_loads = []
+        self._pending_saves = []
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Notes the async loads the workers finished."""
+        for req_id in connector_output.finished_recving or ():
+            self._loading.discard(req_id)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Saves the prompt's full blocks that kvtier did not hold; holds
+        the blocks until the save (or a load still in flight) is done."""
+        m = self._matches.pop(request.request_id, None)
+        if request.request_id in self._loading:
+            # Pages are still being written: freed when the load finishes.
+            return True, None
+        if getattr(request, "mm_features", None):
+            return False, None
+        tokens = list(request.prompt_token_ids or [])
+        full = min(request.num_computed_tokens, len(tokens), len(block_ids) * self._block_size)
+        full //= self._block_size
+        known = m.hit_blocks if m is not None else 0
+        if full <= known:
+            return False, None
+        self._pending_saves.append(
+            _Job(
+                request.request_id,
+                tokens[: full * self._block_size],
+                _salt(request),
+                known,
+                list(block_ids[known:full]),
+            )
+        )
+        return True, None
+
+    # ------------------------------------------------------------- worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Takes the per-layer KV tensors (ordered by layer index), opens
+        this rank's namespace (checking the tensors against its layout) and,
+        on rank 0, answers the scheduler's lookups."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        try:
+            rank = get_tensor_model_parallel_rank()
+        except (AssertionError, RuntimeError):
+            rank = 0
+        self._ns = connector_namespace(self._vllm_config, rank)
+        layout = self._ns.layout
+        names = sorted(kv_caches, key=extract_layer_index)
+        layers = [kv_caches[n] for n in names]
+        if len(layers) != layout.layers:
+            raise ValueError(f"kvtier: {len(layers)} KV cache tensors for a {layout.layers}-layer model")
+        shape = (layout.kv_heads, layout.block_tokens, 2 * layout.head_dim)
+        for n, t in zip(names, layers):
+            if tuple(t.shape[1:]) != shape or _DTYPES.get(t.dtype) != layout.dtype or not t.is_contiguous():
+                raise ValueError(
+                    f"kvtier: layer {n} has a {t.dtype} KV cache of shape {tuple(t.shape)}; kvtier takes "
+                    f"contiguous [num_blocks, {shape[0]}, {shape[1]}, {shape[2]}] {layout.dtype} "
+                    "(vLLM's CPU attention layout)"
+                )
+        self._layers = layers
+        if layers[0].device.type != "cpu":
+            self._staging = _Staging(layers, layout)
+        self._flusher = _Flusher(self._ns)
+        if rank == 0:
+            self._server = _LookupServer(self._vllm_config, self._ns)
+        logger.info(
+            "kvtier: worker rank %d on namespace %s (%s), %d layers of %d pages, %s",
+            rank,
+            self._ns.name,
+            _store(_extra(self._vllm_config)).cache_dir,
+            len(layers),
+            layers[0].shape[0],
+            "in place" if self._staging is None else f"staged from {layers[0].device}",
+        )
+
+    def _start(self, job: _Job, save: bool) -> _Running:
+        assert self._ns is not None
+        now = time.monotonic()
+        keys = self._ns.token_keys(job.tokens, salt=job.salt)[job.first :]
+        if len(keys) != len(job.block_ids):
+            raise RuntimeError(f"kvtier: {len(keys)} keys for {len(job.block_ids)} blocks of {job.req_id}")
+        if self._staging is None:
+            if save:
+                t = self._ns.save_pages(keys, self._layers, job.block_ids)
+            else:
+                t = self._ns.load_pages(keys, self._layers, job.block_ids)
+            return _Running(job, t, now)
+        # Staged: host pages [layers, blocks, page]; block i's pieces are
+        # host[l, i] for each layer l.
+        host = self._staging.gather(job.block_ids) if save else self._staging.buffer(len(job.block_ids))
+        pieces = [[host[l, i] for l in range(host.shape[0])] for i in range(len(job.block_ids))]
+        t = self._ns.save(keys, pieces) if save else self._ns.load(keys, pieces)
+        return _Running(job, t, now, host)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Starts every load of this step at once; a synchronous load is
+        waited for here (see the module: no layer pipelining)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierConnectorMetadata)
+        started = [self._start(job, save=False) for job in meta.loads]
+        if meta.load_async:
+            for r in started:
+                self._loads[r.job.req_id] = r
+            return
+        for r in started:
+            self._finish_load(r)
+
+    def _finish_load(self, r: _Running) -> None:
+        results = r.transfer.wait()
+        assert results is not None
+        if r.host is not None and self._staging is not None:
+            self._staging.scatter(r.host, r.job.block_ids)
+        failed = [b for b, res in zip(r.job.block_ids, results) if not res.ok]
+        self._load_errors.update(failed)
+        self._stats.loaded(len(results) - len(failed), len(failed), time.monotonic() - r.started)
+        if failed:
+            why = {res.status + (f" ({res.reason})" if res.reason else "") for res in results if not res.ok}
+            logger.warning(
+                "kvtier: %d of %d blocks of request %s not restored (%s): vLLM recomputes them",
+                len(failed),
+                len(results),
+                r.job.req_id,
+                "; ".join(sorted(why)),
+            )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads finish before the step (see the
+        module)."""
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: saves copy whole blocks of finished requests
+        (see :meth:`wait_for_save`)."""
+        return
+
+    def wait_for_save(self) -> None:
+        """Starts this step's saves on kvtier's threads and returns: the
+        blocks stay held until :meth:`get_finished` reports them."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierConnectorMetadata)
+        for job in meta.saves:
+            self._saves[job.req_id] = self._start(job, save=True)
+        meta.saves = []
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose saves (sending) and async loads (receiving) are
+        done."""
+        self._finished_seen |= finished_req_ids
+        recving: set[str] = set()
+        for req_id, r in list(self._loads.items()):
+            if r.transfer.done():
+                del self._loads[req_id]
+                self._finish_load(r)
+                recving.add(req_id)
+        sending: set[str] = set()
+        for req_id, r in list(self._saves.items()):
+            if req_id in self._finished_seen and r.transfer.done():
+                del self._saves[req_id]
+                self._finished_seen.discard(req_id)
+                results = r.transfer.wait() or []
+                stored = sum(1 for x in results if x.status == "stored")
+                failed = [x for x in results if not x.ok]
+                self._stats.saved(stored, len(failed), time.monotonic() - r.started)
+                if failed:
+                    logger.warning(
+                        "kvtier: %d blocks of request %s not saved: %s", len(failed), req_id, failed[0]
+                    )
+                if self._flusher is not None and stored:
+                    self._flusher.poke()
+                sending.add(req_id)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids whose load failed since the last call (missing,
+        corrupt or unreadable: vLLM recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Blocks and seconds of loads and saves since the last call."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvtierConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvtierConnectorStats(data=dict(data)) if data is not None else KvtierConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        """Waits for loads and saves in flight, then writes G2 to G3."""
+        for r in list(self._loads.values()) + list(self._saves.values()):
+            r.transfer.wait()
+        self._loads.clear()
+        self._saves.clear()
+        if self._flusher is not None:
+            self._flusher.stop()
+        if self._server is not None:
+            self._server.close()
+        if self._ns is not None:
+            self._ns.flush()
+
+
+class _Flusher:
+    """Writes saved blocks from G2 to G3 in the background (the store keeps
+    a block in G2 until it is evicted or flushed; a restart would lose it).
+    ``poke`` after a save; one flush covers every save before it."""
+
+    def __init__(self, ns: Namespace) -> None:
+        self._ns = ns
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-flush", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                return
+            try:
+                self._ns.flush()  # releases the GIL while it writes
+            except Exception as e:  # noqa: BLE001 - a failed flush leaves blocks in G2, logged
+                logger.warning("kvtier: flush to G3 failed: %s", e)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=60)
+
+
+_STAT_KEYS = ("blocks_loaded", "blocks_load_failed", "blocks_saved", "blocks_save_failed", "load_s", "save_s")
+
+
+@dataclass
+class KvtierConnectorStats(KVConnectorStats):
+    """Per-interval counts: blocks loaded and failed, saved and failed, and
+    the seconds loads and saves took."""
+
+    def __post_init__(self) -> None:
+        for k in _STAT_KEYS:
+            self.data.setdefault(k, 0)
+
+    def loaded(self, ok: int, failed: int, seconds: float) -> None:
+        self.data["blocks_loaded"] += ok
+        self.data["blocks_load_failed"] += failed
+        self.data["load_s"] += seconds
+
+    def saved(self, ok: int, failed: int, seconds: float) -> None:
+        self.data["blocks_saved"] += ok
+        self.data["blocks_save_failed"] += failed
+        self.data["save_s"] += seconds
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in _STAT_KEYS}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k in _STAT_KEYS:
+            self.data[k] += other.data.get(k, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: self.data[k] for k in _STAT_KEYS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data[k] for k in _STAT_KEYS)
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """kvtier's series on vLLM's ``/metrics``:
+    ``vllm:kvtier_blocks_loaded_total``, ``..._load_failed_total``,
+    ``..._blocks_saved_total``, ``..._save_failed_total``."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, doc in (
+            ("blocks_loaded", "KV blocks restored from kvtier"),
+            ("blocks_load_failed", "KV blocks kvtier could not restore (missing or corrupt; recomputed)"),
+            ("blocks_saved", "KV blocks saved to kvtier"),
+            ("blocks_save_failed", "KV blocks kvtier failed to save"),
+        ):
+            c = self._counter_cls(name=f"vllm:kvtier_{key}", documentation=doc, labelnames=labelnames)
+            self._counters[key] = {
+                idx: c.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._counters.items():
+            v = transfer_stats_data.get(key, 0)
+            if v and engine_idx in per_engine:
+                per_engine[engine_idx].inc(v)
