@@ -98,7 +98,14 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KvtierConnector", "KvtierConnectorMetadata", "KvtierConnectorStats", "connector_namespace"]
+__all__ = [
+    "KvtierConnector",
+    "KvtierConnectorMetadata",
+    "KvtierConnectorStats",
+    "connector_namespace",
+    "model_fingerprint",
+    "request_salt",
+]
 
 # Under vLLM's logger, so that its handlers print kvtier's lines.
 logger = init_logger("vllm.kvtier")
@@ -150,16 +157,12 @@ def _extra(vllm_config: VllmConfig) -> dict[str, Any]:
     return extra
 
 
-def _fingerprint(vllm_config: VllmConfig) -> str:
-    """Names the weights: the model, its revision and, for a local
-    directory, its config.json and the names and sizes of its weight files."""
-    mc = vllm_config.model_config
-    parts: dict[str, Any] = {
-        "model": str(mc.model),
-        "revision": str(getattr(mc, "revision", None)),
-        "quantization": str(getattr(mc, "quantization", None)),
-    }
-    root = Path(str(mc.model))
+def model_fingerprint(model: str, revision: str | None = None, quantization: str | None = None) -> str:
+    """The fingerprint :class:`KvtierConnector` gives a model by default:
+    its name, revision and quantization and, for a local directory, a hash
+    of its config.json and the names and sizes of its weight files."""
+    parts: dict[str, Any] = {"model": str(model), "revision": str(revision), "quantization": str(quantization)}
+    root = Path(str(model))
     if root.is_dir():
         config = root / "config.json"
         if config.is_file():
@@ -170,6 +173,11 @@ def _fingerprint(vllm_config: VllmConfig) -> str:
             if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file()
         )
     return "vllm:" + json.dumps(parts, sort_keys=True)
+
+
+def _fingerprint(vllm_config: VllmConfig) -> str:
+    mc = vllm_config.model_config
+    return model_fingerprint(mc.model, getattr(mc, "revision", None), getattr(mc, "quantization", None))
 
 
 def _layout(vllm_config: VllmConfig, rank: int) -> Layout:
@@ -758,7 +766,8 @@ class KvtierConnectorStats(KVConnectorStats):
 class KvtierPromMetrics(KVConnectorPromMetrics):
     """kvtier's series on vLLM's ``/metrics``:
     ``vllm:kvtier_blocks_loaded_total``, ``..._load_failed_total``,
-    ``..._blocks_saved_total``, ``..._save_failed_total``."""
+    ``..._blocks_saved_total``, ``..._save_failed_total`` and
+    ``vllm:kvtier_load_s_total``."""
 
     def __init__(
         self,
@@ -774,6 +783,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             ("blocks_load_failed", "KV blocks kvtier could not restore (missing or corrupt; recomputed)"),
             ("blocks_saved", "KV blocks saved to kvtier"),
             ("blocks_save_failed", "KV blocks kvtier failed to save"),
+            ("load_s", "Seconds kvtier's loads took, summed over loads (they overlap)"),
         ):
             c = self._counter_cls(name=f"vllm:kvtier_{key}", documentation=doc, labelnames=labelnames)
             self._counters[key] = {

@@ -1,0 +1,281 @@
+"""Real vLLM servers (CPU backend) and a real redis-server for the
+end-to-end checks and scripts/bench-vllm: start, wait until healthy, send
+OpenAI requests, read /metrics, stop (SIGTERM) or kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kvtier_transfer_config(extra: dict[str, Any]) -> str:
+    """``--kv-transfer-config`` for :class:`kvtier.vllm.KvtierConnector`."""
+    return json.dumps(
+        {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+def example_transfer_config(path: str) -> str:
+    """``--kv-transfer-config`` for vLLM's in-tree ExampleConnector."""
+    return json.dumps(
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": path},
+        }
+    )
+
+
+@dataclass
+class Reply:
+    """One completion: its text, time to the first token, total time and
+    the prompt's and completion's token counts."""
+
+    text: str
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+
+class VllmServer:
+    """One ``python -m vllm.entrypoints.openai.api_server`` process.
+
+    ``transfer_config`` (a ``--kv-transfer-config`` JSON) adds a connector;
+    ``None`` is vLLM alone."""
+
+    def __init__(
+        self,
+        model: str,
+        log: Path,
+        transfer_config: str | None = None,
+        kv_space_gb: int = 1,
+        max_model_len: int = 4096,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.model = model
+        self.port = free_port()
+        self.log = log
+        env = dict(os.environ)
+        env.update(
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_CPU_KVCACHE_SPACE=str(kv_space_gb),
+            VLLM_CPU_OMP_THREADS_BIND="auto",
+            VLLM_LOGGING_LEVEL="INFO",
+        )
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--dtype", "float32",
+            "--max-model-len", str(max_model_len),
+            "--enable-prefix-caching", "-O0",
+            "--host", "127.0.0.1", "--port", str(self.port),
+        ]  # fmt: skip
+        if transfer_config is not None:
+            cmd += ["--disable-hybrid-kv-cache-manager", "--kv-transfer-config", transfer_config]
+        cmd += extra_args or []
+        self._out = open(log, "ab")
+        # A session of its own: stop() and kill9() reach the engine core
+        # and worker processes vLLM starts.
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._wait_healthy(timeout=300)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.kill9()
+        raise RuntimeError(f"vLLM not healthy after {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _post(self, path: str, body: dict[str, Any], timeout: float = 600) -> Any:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """The prompt's token ids, as a completion sees them."""
+        return list(self._post("/tokenize", {"model": self.model, "prompt": prompt})["tokens"])
+
+    def complete(self, prompt: str, max_tokens: int = 16, cache_salt: str | None = None) -> Reply:
+        """A greedy completion, streamed: its text and time to first token."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        start = time.monotonic()
+        ttft: float | None = None
+        text: list[str] = []
+        prompt_tokens = completion_tokens = 0
+        with urllib.request.urlopen(req, timeout=900) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                for c in chunk.get("choices") or []:
+                    if c.get("text"):
+                        if ttft is None:
+                            ttft = time.monotonic() - start
+                        text.append(c["text"])
+                if chunk.get("usage"):
+                    prompt_tokens = int(chunk["usage"]["prompt_tokens"])
+                    completion_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+        total = time.monotonic() - start
+        return Reply("".join(text), ttft if ttft is not None else total, total, prompt_tokens, completion_tokens)
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` samples: name (labels dropped) -> value, summed."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
+            body = r.read().decode()
+        out: dict[str, float] = {}
+        for line in body.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0]
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return out
+
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM to the whole session (a clean shutdown), SIGKILL after
+        ``timeout``."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill9()
+
+    def kill9(self) -> None:
+        """SIGKILL to the server and every process it started."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        # The engine core and workers share the session; wait until none
+        # is left, so their memory and sockets are gone.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _session_alive(self.proc.pid):
+            time.sleep(0.2)
+        self._out.close()
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _session_alive(sid: int) -> bool:
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After ")": state, ppid, pgrp, session.
+        if int(fields[3]) == sid and fields[0] != "Z":
+            return True
+    return False
+
+
+class RedisServer:
+    """A real redis-server on 127.0.0.1 (no persistence), stopped on exit."""
+
+    def __init__(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (scripts/test installs it)")
+        self.port = free_port()
+        self._dir = tempfile.mkdtemp(prefix="kvtier-redis-")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self._dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
