@@ -12,7 +12,10 @@ concurrency), on a vLLM started for the measurement:
 - ``example``: vLLM's in-tree ExampleConnector, filled by an earlier vLLM
   process, restoring after the restart;
 - ``kvtier``: kvtier's connector, filled by an earlier vLLM process,
-  restoring from G3 after the restart.
+  restoring from G3 after the restart;
+- ``local`` (not in the default ``--modes``): the floor, vLLM alone with
+  every session already in its own prefix cache (no restart), so only
+  the uncached tail of each prompt is computed.
 
 The page cache is dropped before each measured server starts (when this
 process may), so both connectors read from the device, as after a node's
@@ -145,6 +148,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", default="recompute,example,kvtier")
     ap.add_argument("--work-dir", type=Path, default=None, help="where the model and caches go (default: a temp dir)")
+    ap.add_argument("--kvtier-config", default="{}",
+                    help="JSON merged into the connector's kv_connector_extra_config, e.g. '{\"load_async\": false}'")
     ap.add_argument("--example-prefix-caching", action="store_true",
                     help="run ExampleConnector with vLLM's prefix caching on (it crashes vLLM at concurrency > 1)")
     ap.add_argument("--enforce-gates", action="store_true", help="exit 1 if a gate fails")
@@ -174,12 +179,14 @@ def main() -> int:
 
     for mode in a.modes.split(","):
         cfg: str | None
-        if mode == "recompute":
+        if mode in ("recompute", "local"):
             cfg = None
         elif mode == "example":
             cfg = example_transfer_config(str(work / "example-cache"))
         elif mode == "kvtier":
-            cfg = kvtier_transfer_config({"cache_dir": str(work / "kvtier-cache"), "g3_bytes": 16 << 30})
+            cfg = kvtier_transfer_config(
+                {"cache_dir": str(work / "kvtier-cache"), "g3_bytes": 16 << 30, **json.loads(a.kvtier_config)}
+            )
         else:
             raise SystemExit(f"unknown mode {mode!r}")
         # ExampleConnector with vLLM's prefix caching crashes the engine as
@@ -203,6 +210,11 @@ def main() -> int:
         log(f"{mode}: measuring after a restart")
         with VllmServer(str(model), logs / f"{mode}.log", cfg, kv_space_gb=kv_space, extra_args=args) as s:
             s.complete(text(99, 100), max_tokens=1)  # the first request's one-off delay
+            if mode == "local":
+                # The floor: every session already in vLLM's own prefix
+                # cache (G1), nothing to restore.
+                for p in all_prompts:
+                    s.complete(p, max_tokens=1)
             outs: list[str] = []
             for c in levels:
                 r, o = run_batch(s, mode, sets[c], c, a.max_tokens, bytes_per_token)
