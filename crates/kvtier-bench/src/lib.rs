@@ -31,6 +31,7 @@ pub mod checkpoint_bench;
 /// them too).
 pub use kvtier_io::device_limit;
 pub mod endpoint;
+pub mod endpoint_pair;
 pub mod fill;
 pub mod gates;
 pub mod host;

@@ -25,6 +25,7 @@ use kvtier_io::IoEngine;
 use crate::bench_error::{BenchError, Result, StepContext, fail};
 use crate::device_limit::DeviceLimit;
 use crate::endpoint::Endpoint;
+use crate::endpoint_pair::EndpointPair;
 use crate::gates::Gates;
 use crate::host;
 use crate::inproc::InProcess;
@@ -46,6 +47,11 @@ pub struct MainJobOptions {
     pub endpoint: Option<String>,
     /// Model name to send to `endpoint`.
     pub model_name: Option<String>,
+    /// With `endpoint`: baseline runs go to this OpenAI-compatible server
+    /// instead (kvtier runs and the filling pass stay on `endpoint`).
+    pub baseline_endpoint: Option<String>,
+    /// Model name to send to `baseline_endpoint` (default: `model_name`).
+    pub baseline_model_name: Option<String>,
     /// Directory for the KV cache (G3); emptied before the run.
     pub cache_dir: PathBuf,
     /// Where reports go (default: `bench-results/<timestamp>`).
@@ -85,6 +91,8 @@ impl Default for MainJobOptions {
             model: None,
             endpoint: None,
             model_name: None,
+            baseline_endpoint: None,
+            baseline_model_name: None,
             cache_dir: PathBuf::from("kvtier-cache/bench-kv"),
             out: None,
             sessions: 16,
@@ -140,6 +148,9 @@ pub fn run_main_job(opts: &MainJobOptions) -> Result<MainJobOutcome> {
     if opts.block_tokens == 0 {
         fail!("--block-tokens must be positive");
     }
+    if opts.baseline_endpoint.is_some() && opts.endpoint.is_none() {
+        fail!("--baseline-endpoint needs --endpoint (the kvtier server)");
+    }
     let out = opts.out.clone().unwrap_or_else(default_out_dir);
     if opts.cache_dir.exists() {
         std::fs::remove_dir_all(&opts.cache_dir)
@@ -147,13 +158,18 @@ pub fn run_main_job(opts: &MainJobOptions) -> Result<MainJobOutcome> {
     }
     std::fs::create_dir_all(&opts.cache_dir)
         .with_step(|| format!("cannot create the cache dir {}", opts.cache_dir.display()))?;
-    let mut target: Box<dyn Target> = match &opts.endpoint {
+    let model_name = opts.model_name.as_deref().unwrap_or("");
+    let mut target: Box<dyn Target> = match (&opts.endpoint, &opts.baseline_endpoint) {
         // An unreachable endpoint is an error here, before any work starts.
-        Some(url) => Box::new(Endpoint::new(
-            url,
-            opts.model_name.as_deref().unwrap_or(""),
-        )?),
-        None => Box::new(in_process(opts)?),
+        (Some(url), None) => Box::new(Endpoint::new(url, model_name)?),
+        (Some(url), Some(base)) => Box::new(EndpointPair::new(
+            Endpoint::new(
+                base,
+                opts.baseline_model_name.as_deref().unwrap_or(model_name),
+            )?,
+            Endpoint::new(url, model_name)?,
+        )),
+        (None, _) => Box::new(in_process(opts)?),
     };
 
     // The device limit is measured in the same run, between the runs, on a

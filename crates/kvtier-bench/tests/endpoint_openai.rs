@@ -433,3 +433,48 @@ fn a_run_whose_requests_fail_mid_run_finishes_and_counts_them() {
     assert!(report.target.contains("OpenAI-compatible endpoint"));
     assert_eq!(peer.bodies().len(), 2 + 4 * 2);
 }
+
+#[test]
+fn a_baseline_endpoint_gets_the_baseline_runs_and_nothing_else() {
+    use kvtier_bench::endpoint_pair::EndpointPair;
+    let kv = Peer::start(|_, body, conn| good_stream(conn, body, Usage::OpenAi));
+    let base = Peer::start(|_, body, conn| good_stream(conn, body, Usage::OpenAi));
+    let mut pair = EndpointPair::new(
+        Endpoint::new(&base.url(), "other").unwrap(),
+        Endpoint::new(&kv.url(), "tiny").unwrap(),
+    );
+    let run = RunOptions {
+        workload: ColdRecoveryConfig {
+            sessions: 2,
+            shared_tokens: 16,
+            history_tokens: 32,
+            question_tokens: 4,
+            max_tokens: 4,
+            concurrency: vec![1, 2],
+            evict_g2: true,
+            seed: 3,
+        },
+        gates: Gates::default(),
+        cost: CostModel::default(),
+        meter: MeterOptions::default(),
+        progress: false,
+    };
+    let mut limit = || Ok(1.0);
+    let mut drop_cache = || {};
+    let hooks = Hooks {
+        device_limit: &mut limit,
+        drop_page_cache: &mut drop_cache,
+    };
+    let report = run_cold_recovery(&mut pair, &run, hooks, MachineInfo::default()).unwrap();
+    assert_eq!(report.results.len(), 4);
+    assert!(report.results.iter().all(|r| r.failed == 0));
+    // The filling pass (2) and two kvtier runs of 2 sessions go to the
+    // kvtier server; two baseline runs of 2 to the baseline server, each
+    // with its own model name.
+    let (kv_bodies, base_bodies) = (kv.bodies(), base.bodies());
+    assert_eq!(kv_bodies.len(), 2 + 2 * 2);
+    assert_eq!(base_bodies.len(), 2 * 2);
+    assert!(kv_bodies.iter().all(|b| b["model"] == json!("tiny")));
+    assert!(base_bodies.iter().all(|b| b["model"] == json!("other")));
+    assert!(report.target.contains("baseline"), "{}", report.target);
+}

@@ -31,6 +31,14 @@ pub struct BenchCmdArgs {
     /// Model name to send to `--endpoint`.
     #[arg(long, value_name = "NAME")]
     pub model_name: Option<String>,
+    /// Send the baseline runs to this OpenAI-compatible server instead
+    /// (e.g. vLLM alone; `--endpoint` is the kvtier one): any two servers
+    /// compared in one run.
+    #[arg(long, value_name = "URL", requires = "endpoint")]
+    pub baseline_endpoint: Option<String>,
+    /// Model name to send to `--baseline-endpoint` (default: `--model-name`).
+    #[arg(long, value_name = "NAME", requires = "baseline_endpoint")]
+    pub baseline_model_name: Option<String>,
     /// Directory for the KV cache (G3); emptied before the run.
     #[arg(long, value_name = "DIR", default_value = "kvtier-cache/bench-kv")]
     pub cache_dir: PathBuf,
@@ -89,6 +97,8 @@ impl BenchCmdArgs {
             model: self.model.clone(),
             endpoint: self.endpoint.clone(),
             model_name: self.model_name.clone(),
+            baseline_endpoint: self.baseline_endpoint.clone(),
+            baseline_model_name: self.baseline_model_name.clone(),
             cache_dir: self.cache_dir.clone(),
             out: self.out.clone(),
             sessions: self.sessions,
