@@ -263,6 +263,12 @@ class _Staging:
             (len(self.layers), blocks, self.page_elems), dtype=t.dtype, pin_memory=torch.cuda.is_available()
         )
 
+    @staticmethod
+    def pieces(host: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Per block, its pieces in a host buffer: ``host[l, i]`` for each
+        layer ``l`` (the layout's regions, in order)."""
+        return [[host[l, i] for l in range(host.shape[0])] for i in range(host.shape[1])]
+
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         host = self.buffer(len(block_ids))
         idx = torch.tensor(block_ids, device=self.layers[0].device)
@@ -564,10 +570,8 @@ class KvtierConnector(KVConnectorBase_V1):
             else:
                 t = self._ns.load_pages(keys, self._layers, job.block_ids)
             return _Running(job, t, now)
-        # Staged: host pages [layers, blocks, page]; block i's pieces are
-        # host[l, i] for each layer l.
         host = self._staging.gather(job.block_ids) if save else self._staging.buffer(len(job.block_ids))
-        pieces = [[host[l, i] for l in range(host.shape[0])] for i in range(len(job.block_ids))]
+        pieces = _Staging.pieces(host)
         t = self._ns.save(keys, pieces) if save else self._ns.load(keys, pieces)
         return _Running(job, t, now, host)
 
