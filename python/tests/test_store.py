@@ -134,6 +134,32 @@ def test_a_restarted_process_finds_the_blocks(tmp_path: Path) -> None:
     assert "restored 8" in out.stdout
 
 
+def test_a_second_process_on_the_same_cache_dir_is_refused_with_the_holders_pid(tmp_path: Path) -> None:
+    layout = Layout.vllm_cpu(2, 1, 64, block_tokens=16)
+    store = Store(str(tmp_path / "cache"), g2_bytes=8 << 20, g3_bytes=16 << 20)
+    ns = store.namespace(layout, fingerprint="m")
+    script = textwrap.dedent(
+        f"""
+        import kvtier
+        store = kvtier.Store({str(tmp_path / "cache")!r}, g2_bytes=8 << 20, g3_bytes=16 << 20)
+        layout = kvtier.Layout.vllm_cpu(2, 1, 64, block_tokens=16)
+        try:
+            store.namespace(layout, fingerprint="m")
+        except kvtier.StoreError as e:
+            print("refused:", e)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"in use by process {os.getpid()}" in out.stdout, out.stdout
+    # The holder is unharmed: it still saves and loads.
+    src = pages(layout, 2, 3, "f32")
+    assert all(r.ok for r in ns.save_pages(hashes(2), src, range(2)).wait())
+    dst = [np.zeros_like(t) for t in src]
+    assert all(r.tier == "g2" for r in ns.load_pages(hashes(2), dst, range(2)).wait())
+    assert all((a == b).all() for a, b in zip(src, dst))
+
+
 def test_a_flipped_byte_is_corrupt_for_that_block_only(tmp_path: Path) -> None:
     layout = Layout.vllm_cpu(2, 2, 64, block_tokens=16)
     store = Store(str(tmp_path), g2_bytes=8 << 20, g3_bytes=16 << 20)

@@ -21,10 +21,12 @@
 //!   write limit.
 //!
 //! Shared pieces: [`device_limit`] (the raw O_DIRECT limits), [`host`] and
-//! [`host_info`] (machine facts, page-cache drops), [`run_dirs`],
+//! [`host_info`] (machine facts, page-cache drops), [`bench_dir`] (the
+//! main job's cache dir, cleared only when its own), [`run_dirs`],
 //! [`stats`], [`size`], [`fill`], [`progress`], and [`TextReport`], the
 //! table every report prints.
 
+pub mod bench_dir;
 pub mod bench_error;
 pub mod checkpoint_bench;
 /// The raw O_DIRECT limits, from kvtier-io (the Python package measures

@@ -22,6 +22,7 @@ use kvtier_engine::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
 use kvtier_io::IoEngine;
 
+use crate::bench_dir;
 use crate::bench_error::{BenchError, Result, StepContext, fail};
 use crate::device_limit::DeviceLimit;
 use crate::endpoint::Endpoint;
@@ -52,7 +53,9 @@ pub struct MainJobOptions {
     pub baseline_endpoint: Option<String>,
     /// Model name to send to `baseline_endpoint` (default: `model_name`).
     pub baseline_model_name: Option<String>,
-    /// Directory for the KV cache (G3); emptied before the run.
+    /// Directory for the KV cache (G3) and the device-limit file; the
+    /// bench's own entries in it are cleared before the run, and a
+    /// directory it did not make is refused ([`bench_dir`]).
     pub cache_dir: PathBuf,
     /// Where reports go (default: `bench-results/<timestamp>`).
     pub out: Option<PathBuf>,
@@ -152,24 +155,23 @@ pub fn run_main_job(opts: &MainJobOptions) -> Result<MainJobOutcome> {
         fail!("--baseline-endpoint needs --endpoint (the kvtier server)");
     }
     let out = opts.out.clone().unwrap_or_else(default_out_dir);
-    if opts.cache_dir.exists() {
-        std::fs::remove_dir_all(&opts.cache_dir)
-            .with_step(|| format!("cannot empty the cache dir {}", opts.cache_dir.display()))?;
-    }
-    std::fs::create_dir_all(&opts.cache_dir)
-        .with_step(|| format!("cannot create the cache dir {}", opts.cache_dir.display()))?;
     let model_name = opts.model_name.as_deref().unwrap_or("");
-    let mut target: Box<dyn Target> = match (&opts.endpoint, &opts.baseline_endpoint) {
-        // An unreachable endpoint is an error here, before any work starts.
-        (Some(url), None) => Box::new(Endpoint::new(url, model_name)?),
-        (Some(url), Some(base)) => Box::new(EndpointPair::new(
+    // An unreachable endpoint is an error here, before any file is touched.
+    let remote: Option<Box<dyn Target>> = match (&opts.endpoint, &opts.baseline_endpoint) {
+        (Some(url), None) => Some(Box::new(Endpoint::new(url, model_name)?)),
+        (Some(url), Some(base)) => Some(Box::new(EndpointPair::new(
             Endpoint::new(
                 base,
                 opts.baseline_model_name.as_deref().unwrap_or(model_name),
             )?,
             Endpoint::new(url, model_name)?,
-        )),
-        (None, _) => Box::new(in_process(opts)?),
+        ))),
+        (None, _) => None,
+    };
+    bench_dir::prepare(&opts.cache_dir)?;
+    let mut target: Box<dyn Target> = match remote {
+        Some(t) => t,
+        None => Box::new(in_process(opts)?),
     };
 
     // The device limit is measured in the same run, between the runs, on a

@@ -221,6 +221,8 @@ fn other_models_and_tenants_never_hit() {
         0,
         "another seed must not hit"
     );
+    // One store per cache directory at a time (the owner lock).
+    drop(other_model);
     let tenant = EngineOptions {
         tenant_salt: b"tenant-b".to_vec(),
         ..opts(true)

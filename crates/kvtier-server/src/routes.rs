@@ -9,10 +9,11 @@ use std::time::Instant;
 use axum::Json;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
-use axum::http::header;
+use axum::http::{HeaderMap, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use kvtier_store::MetricsFormat;
 use serde_json::json;
 
 use crate::api_error::{self, ApiError, ApiJson};
@@ -216,13 +217,13 @@ async fn health(State(state): State<Shared>) -> Json<serde_json::Value> {
     Json(json!({"status": "ok", "model": state.model_name}))
 }
 
-async fn metrics(State(state): State<Shared>) -> Response {
+/// Prometheus text by default, OpenMetrics when the `Accept` header asks.
+async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let format = MetricsFormat::from_accept(accept);
     (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        state.metrics.render(),
+        [(header::CONTENT_TYPE, format.content_type())],
+        state.metrics.render(format),
     )
         .into_response()
 }

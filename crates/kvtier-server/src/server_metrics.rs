@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 
 use kvtier_engine::CachedTokens;
-use kvtier_store::StoreMetrics;
+use kvtier_store::{MetricsFormat, StoreMetrics};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -154,8 +154,13 @@ impl ServerMetrics {
         self.restored_bytes.inc_by(restored);
     }
 
-    /// Every metric (store and server) in Prometheus text format.
-    pub fn render(&self) -> String {
+    /// Every metric (store and server) in `format`.
+    pub fn render(&self, format: MetricsFormat) -> String {
+        format.from_openmetrics(self.render_openmetrics())
+    }
+
+    /// Every metric (store and server) in OpenMetrics text.
+    fn render_openmetrics(&self) -> String {
         match &self.sink {
             Sink::Store(s) => s.render(),
             Sink::Own(r) => {
@@ -193,7 +198,7 @@ mod tests {
             },
             4096,
         );
-        let text = m.render();
+        let text = m.render(MetricsFormat::OpenMetrics);
         for want in [
             "kvtier_server_ttft_seconds_count 1",
             "kvtier_server_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1",
@@ -210,7 +215,7 @@ mod tests {
         let own = ServerMetrics::new(None);
         own.generated_tokens.inc();
         assert!(
-            own.render()
+            own.render(MetricsFormat::Prometheus)
                 .contains("kvtier_server_generated_tokens_total 1")
         );
     }

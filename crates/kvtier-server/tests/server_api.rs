@@ -195,12 +195,6 @@ fn metrics_show_ttft_histogram_and_store_series() {
     );
     let r = s.get("/metrics");
     assert_eq!(r.status, 200);
-    assert!(
-        r.header("content-type")
-            .is_some_and(|c| c.contains("openmetrics-text") || c.starts_with("text/plain")),
-        "{:?}",
-        r.headers
-    );
     let text = r.text();
     for want in [
         "# TYPE kvtier_server_ttft_seconds histogram",
@@ -217,7 +211,14 @@ fn metrics_show_ttft_histogram_and_store_series() {
     ] {
         assert!(text.contains(want), "{want} missing from\n{text}");
     }
-    assert!(text.ends_with("# EOF\n"));
+    // Prometheus text by default; OpenMetrics (ending in `# EOF`) when asked.
+    assert!(!text.contains("# EOF"), "{text}");
+    assert!(
+        r.header("content-type")
+            .is_some_and(|c| c.starts_with("text/plain; version=0.0.4")),
+        "{:?}",
+        r.headers
+    );
 }
 
 #[test]

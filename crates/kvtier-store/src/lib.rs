@@ -31,7 +31,7 @@ pub use disk::{DiskConfig, DiskError, DiskTier};
 pub use handle::Handle;
 pub use key::{BlockKey, KeyChain, ModelFingerprint};
 pub use kv_layout::{Arrangement, KvDtype, KvLayout, LayoutError, Part, TpShard};
-pub use metrics::{RemoteMetrics, StoreMetrics, Tier};
+pub use metrics::{MetricsFormat, RemoteMetrics, StoreMetrics, Tier};
 pub use remote::{RemoteConfig, RemoteError, RemoteTier};
 pub use store::{
     PrefixLookup, PutReport, SharedMemory, StoreConfig, StoreError, StoreStats, StoredBlock,

@@ -8,10 +8,12 @@
 
 use parking_lot::Mutex;
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 
 /// A tier's name as used in metrics, logs and docs.
@@ -37,6 +39,25 @@ impl Tier {
 }
 
 type Labels = Vec<(&'static str, String)>;
+
+/// One metric per tier (G2, G3, G4 in that order), encoded as one family
+/// with a `tier` label.
+#[derive(Debug, Clone)]
+struct PerTier<M>([M; 3]);
+
+impl<M: EncodeMetric + TypedMetric> EncodeMetric for PerTier<M> {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        for (tier, m) in [Tier::G2, Tier::G3, Tier::G4].iter().zip(&self.0) {
+            let labels = [("tier", tier.name())];
+            m.encode(encoder.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        M::TYPE
+    }
+}
 
 /// The metrics of one tier. Cloning shares the underlying counters.
 #[derive(Debug, Clone)]
@@ -153,52 +174,62 @@ impl StoreMetrics {
         let admission_rejected = Counter::default();
         {
             let store = registry.sub_registry_with_prefix("kvtier_store");
-            for (tier, m) in [(Tier::G2, &g2), (Tier::G3, &g3), (Tier::G4, &g4)] {
-                let r = store.sub_registry_with_label(("tier".into(), tier.name().into()));
-                r.register("hits", "Blocks found in the tier", m.hits.clone());
-                r.register("misses", "Blocks looked up and not found", m.misses.clone());
-                r.register(
-                    "read_bytes",
-                    "Bytes read from the tier",
-                    m.read_bytes.clone(),
-                );
-                r.register(
-                    "written_bytes",
-                    "Bytes written to the tier",
-                    m.written_bytes.clone(),
-                );
-                r.register(
-                    "evictions",
-                    "Blocks evicted to make room",
-                    m.evictions.clone(),
-                );
-                r.register(
-                    "corrupt_blocks",
-                    "Blocks that failed their checksum; served as misses and deleted",
-                    m.corrupt_blocks.clone(),
-                );
-                r.register(
-                    "put_errors",
-                    "Failed puts (device full, I/O error)",
-                    m.put_errors.clone(),
-                );
-                r.register("occupancy_bytes", "Bytes held", m.occupancy_bytes.clone());
-                r.register(
-                    "capacity_bytes",
-                    "Bytes the tier may hold",
-                    m.capacity_bytes.clone(),
-                );
-                r.register(
-                    "read_seconds",
-                    "Latency of one batched read",
-                    m.read_seconds.clone(),
-                );
-                r.register(
-                    "write_seconds",
-                    "Latency of one batched write",
-                    m.write_seconds.clone(),
-                );
-            }
+            // One family per metric, the tier a label (a strict parser
+            // refuses a family name that appears more than once).
+            let tiers = [&g2, &g3, &g4];
+            let per_tier =
+                |get: fn(&TierMetrics) -> &Counter| PerTier(tiers.map(|m| get(m).clone()));
+            store.register("hits", "Blocks found in the tier", per_tier(|m| &m.hits));
+            store.register(
+                "misses",
+                "Blocks looked up and not found",
+                per_tier(|m| &m.misses),
+            );
+            store.register(
+                "read_bytes",
+                "Bytes read from the tier",
+                per_tier(|m| &m.read_bytes),
+            );
+            store.register(
+                "written_bytes",
+                "Bytes written to the tier",
+                per_tier(|m| &m.written_bytes),
+            );
+            store.register(
+                "evictions",
+                "Blocks evicted to make room",
+                per_tier(|m| &m.evictions),
+            );
+            store.register(
+                "corrupt_blocks",
+                "Blocks that failed their checksum; served as misses and deleted",
+                per_tier(|m| &m.corrupt_blocks),
+            );
+            store.register(
+                "put_errors",
+                "Failed puts (device full, I/O error)",
+                per_tier(|m| &m.put_errors),
+            );
+            store.register(
+                "occupancy_bytes",
+                "Bytes held",
+                PerTier(tiers.map(|m| m.occupancy_bytes.clone())),
+            );
+            store.register(
+                "capacity_bytes",
+                "Bytes the tier may hold",
+                PerTier(tiers.map(|m| m.capacity_bytes.clone())),
+            );
+            store.register(
+                "read_seconds",
+                "Latency of one batched read",
+                PerTier(tiers.map(|m| m.read_seconds.clone())),
+            );
+            store.register(
+                "write_seconds",
+                "Latency of one batched write",
+                PerTier(tiers.map(|m| m.write_seconds.clone())),
+            );
             store.register(
                 "io_mode",
                 "I/O mode of a tier: backend (io_uring|threads) and direct (direct|buffered)",
@@ -287,7 +318,7 @@ impl StoreMetrics {
         f(&mut self.registry.lock())
     }
 
-    /// All metrics in Prometheus text exposition format.
+    /// All metrics in OpenMetrics text (what `prometheus-client` encodes).
     pub fn render(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail; an encoder error would only
@@ -297,6 +328,84 @@ impl StoreMetrics {
         }
         out
     }
+}
+
+/// The two text formats `/metrics` speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricsFormat {
+    /// Prometheus text exposition 0.0.4 (what a scraper gets by default).
+    Prometheus,
+    /// OpenMetrics 1.0 text (asked for with `Accept: application/openmetrics-text`).
+    OpenMetrics,
+}
+
+impl MetricsFormat {
+    /// The format an HTTP `Accept` header asks for: OpenMetrics when it
+    /// names `application/openmetrics-text`, else Prometheus text.
+    pub fn from_accept(accept: Option<&str>) -> Self {
+        match accept {
+            Some(a) if a.contains("application/openmetrics-text") => Self::OpenMetrics,
+            _ => Self::Prometheus,
+        }
+    }
+
+    /// OpenMetrics text (what [`StoreMetrics::render`] gives) in this format.
+    pub fn from_openmetrics(self, text: String) -> String {
+        match self {
+            Self::OpenMetrics => text,
+            Self::Prometheus => openmetrics_to_prometheus(&text),
+        }
+    }
+
+    /// The `Content-Type` of a reply in this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Self::Prometheus => "text/plain; version=0.0.4; charset=utf-8",
+            Self::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        }
+    }
+}
+
+/// OpenMetrics text as Prometheus text 0.0.4: no `# EOF` or `# UNIT`
+/// lines, a counter's `HELP`/`TYPE` named as its `_total` samples are, and
+/// `unknown` spelled `untyped`. Samples are the same lines in both formats
+/// (no exemplars or `_created` series are written here).
+fn openmetrics_to_prometheus(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut counters = std::collections::HashSet::new();
+    for line in text.lines() {
+        if line.starts_with("# TYPE ") {
+            let mut parts = line.splitn(4, ' ').skip(2);
+            if let (Some(name), Some("counter")) = (parts.next(), parts.next()) {
+                counters.insert(name.to_string());
+            }
+        }
+    }
+    for line in text.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find(|p| line.starts_with(p));
+        match meta {
+            Some(prefix) => {
+                let rest = &line[prefix.len()..];
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let total = counters.contains(name) && !name.ends_with("_total");
+                out.push_str(prefix);
+                out.push_str(name);
+                if total {
+                    out.push_str("_total");
+                }
+                out.push(' ');
+                out.push_str(if tail == "unknown" { "untyped" } else { tail });
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 #[cfg(test)]
@@ -330,5 +439,50 @@ mod tests {
             "{text}"
         );
         assert!(text.ends_with("# EOF\n"));
+        // Every family is declared once, its tiers as label values.
+        let mut types: Vec<&str> = text.lines().filter(|l| l.starts_with("# TYPE ")).collect();
+        let all = types.len();
+        types.sort_unstable();
+        types.dedup();
+        assert_eq!(types.len(), all, "a family declared twice:\n{text}");
+        for tier in ["g2", "g3", "g4"] {
+            assert!(
+                text.contains(&format!("kvtier_store_misses_total{{tier=\"{tier}\"}} 0")),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn prometheus_text_names_counters_by_their_samples_and_has_no_eof() {
+        let m = StoreMetrics::new();
+        m.g3.hits.inc_by(2);
+        let text = MetricsFormat::Prometheus.from_openmetrics(m.render());
+        assert!(!text.contains("# EOF"), "{text}");
+        assert!(
+            text.contains("# TYPE kvtier_store_hits_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvtier_store_hits_total{tier=\"g3\"} 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE kvtier_store_read_seconds histogram\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE kvtier_store_writeback_pending_blocks gauge\n"),
+            "{text}"
+        );
+        assert_eq!(
+            MetricsFormat::from_accept(Some("application/openmetrics-text; version=1.0.0")),
+            MetricsFormat::OpenMetrics
+        );
+        assert_eq!(
+            MetricsFormat::from_accept(Some("text/plain")),
+            MetricsFormat::Prometheus
+        );
+        assert_eq!(MetricsFormat::from_accept(None), MetricsFormat::Prometheus);
     }
 }

@@ -39,7 +39,9 @@ pub struct BenchCmdArgs {
     /// Model name to send to `--baseline-endpoint` (default: `--model-name`).
     #[arg(long, value_name = "NAME", requires = "baseline_endpoint")]
     pub baseline_model_name: Option<String>,
-    /// Directory for the KV cache (G3); emptied before the run.
+    /// Directory for the KV cache (G3). kvtier bench marks it as its own
+    /// (a .kvtier-bench file) and clears only its own entries there before
+    /// the run; a non-empty directory it did not make is refused.
     #[arg(long, value_name = "DIR", default_value = "kvtier-cache/bench-kv")]
     pub cache_dir: PathBuf,
     /// Where reports go (default: `bench-results/<timestamp>`).

@@ -49,3 +49,42 @@ fn bad_input_is_refused_before_any_work() {
         "no model may be generated for a refused run"
     );
 }
+
+#[test]
+fn the_cache_dir_is_never_cleared_of_files_kvtier_did_not_make() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cache = d.join("cache");
+    std::fs::create_dir_all(cache.join("sub")).unwrap();
+    std::fs::write(cache.join("notes.txt"), b"mine").unwrap();
+    std::fs::write(cache.join("sub/more.txt"), b"mine too").unwrap();
+    let flag = cache.display().to_string();
+    // An unreachable endpoint is refused before the directory is looked at.
+    assert_fails_with(
+        &bench(
+            &[
+                "--endpoint",
+                "http://127.0.0.1:1",
+                "--model-name",
+                "m",
+                "--cache-dir",
+                &flag,
+            ],
+            d,
+        ),
+        "127.0.0.1:1",
+    );
+    // A directory the bench did not make is refused, in-process too, before
+    // a model is generated.
+    assert_fails_with(
+        &bench(&["--cache-dir", &flag, "--sessions", "1"], d),
+        "was not made by kvtier bench",
+    );
+    assert_eq!(std::fs::read(cache.join("notes.txt")).unwrap(), b"mine");
+    assert_eq!(
+        std::fs::read(cache.join("sub/more.txt")).unwrap(),
+        b"mine too"
+    );
+    assert!(!cache.join(".kvtier-bench").exists());
+    assert!(!d.join("kvtier-cache/models").exists());
+}

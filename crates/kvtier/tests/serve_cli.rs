@@ -71,6 +71,30 @@ fn a_model_directory_that_cannot_be_served_is_an_error_exit() {
 }
 
 #[test]
+fn a_second_server_on_the_same_cache_dir_is_refused_naming_the_first() {
+    let first = Server::start(&[]);
+    let out = kvtier()
+        .args(base_args(
+            &first.root.join("tiny"),
+            &first.root.join("cache"),
+        ))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stdout.contains("listening"), "{stdout}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("in use by process {}", first.pid())),
+        "{stderr}"
+    );
+    // The first server lost nothing.
+    first.assert_serves();
+}
+
+#[test]
 fn bad_serve_and_prefill_flags_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("tiny");

@@ -35,10 +35,15 @@
 //! pinned and is never chosen, so a block cannot be overwritten under a
 //! reader.
 //!
+//! # One owner
+//!
+//! Each slot directory is locked at open (`dir_lock`): a second store on
+//! the same directory, in any process, is refused with the holder's pid.
+//!
 //! # Files
 //!
-//! `slots` (the slot table: index, free list, pins, CLOCK), `recover` (the
-//! index rebuilt at open), `slot_read` (batched, verified reads),
+//! `dir_lock` (the owner lock), `slots` (the slot table: index, free
+//! list, pins, CLOCK), `recover` (the index rebuilt at open), `slot_read` (batched, verified reads),
 //! `slot_write` (batched writes, wipes, sync); this file holds the
 //! configuration and opening.
 //!
@@ -48,6 +53,7 @@
 //! slot: about 1.3 s per million slots at 3 GB/s). A checkpointed index
 //! would make it constant; not needed at the sizes tested here.
 
+mod dir_lock;
 mod recover;
 mod slot_read;
 mod slot_write;
@@ -138,6 +144,20 @@ pub enum DiskError {
     /// Allocating a buffer failed.
     #[error("G3 buffer allocation failed: {0}")]
     Alloc(String),
+    /// Another store (in this or another process) holds the directory's
+    /// owner lock.
+    #[error(
+        "G3 directory {} is in use by {} (lock {}); two kvtier stores must not share a cache directory: stop the other or use another cache directory",
+        path.parent().unwrap_or(path).display(),
+        dir_lock::holder_text(holder),
+        path.display()
+    )]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+        /// The holder's pid, as it wrote it.
+        holder: Option<u32>,
+    },
 }
 
 /// What a read of one key found.
@@ -189,6 +209,8 @@ pub struct DiskTier {
     alloc: Arc<dyn HostAllocator>,
     slots: Mutex<SlotTable>,
     metrics: TierMetrics,
+    /// One per directory, held while the tier lives.
+    _locks: Vec<dir_lock::DirLock>,
 }
 
 impl DiskTier {
@@ -225,12 +247,14 @@ impl DiskTier {
         let mut dirs = Vec::new();
         let mut direct = true;
         let mut direct_reason = None;
+        let mut locks = Vec::new();
         for root in &config.dirs {
             let dir = Self::slot_dir(root, &config.layout);
             std::fs::create_dir_all(&dir).map_err(|source| DiskError::Open {
                 path: dir.clone(),
                 source,
             })?;
+            locks.push(dir_lock::DirLock::acquire(&dir)?);
             match config.direct {
                 Some(true) => {}
                 Some(false) => {
@@ -278,6 +302,7 @@ impl DiskTier {
             alloc,
             slots: Mutex::new(SlotTable::new(total as u32)),
             metrics,
+            _locks: locks,
         };
         tier.rebuild_index()?;
         Ok(tier)

@@ -163,9 +163,14 @@ impl Server {
         std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
     /// Sends `signal` (`TERM`, `INT`) to the server with kill(1).
     pub fn signal(&self, signal: &str) {
-        let pid = self.child.as_ref().unwrap().id();
+        let pid = self.pid();
         let st = Command::new("kill")
             .arg(format!("-{signal}"))
             .arg(pid.to_string())
