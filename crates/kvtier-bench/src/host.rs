@@ -13,20 +13,7 @@ pub fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// Physical memory of the machine in bytes (0 if unknown).
-pub fn memory_bytes() -> u64 {
-    // SAFETY: sysconf only reads configuration values.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    if pages <= 0 || page <= 0 {
-        return 0;
-    }
-    (pages as u64).saturating_mul(page as u64)
-}
+pub use kvtier_io::host_memory::memory_bytes;
 
 /// Bytes an unprivileged user may still write on the file system holding
 /// `path` (`statvfs`: `f_bavail * f_frsize`).

@@ -170,6 +170,11 @@ impl Engine {
         store: Option<StoreOptions>,
     ) -> Result<Self, EngineError> {
         let cfg = ModelConfig::from_dir(dir)?;
+        cfg.check_fits(kvtier_io::host_memory::memory_bytes())
+            .map_err(|msg| EngineError::Config {
+                path: dir.join("config.json"),
+                msg,
+            })?;
         let mut weights = Weights::load(dir, &opts.device, DType::F32)?;
         let fingerprint = weights.fingerprint(dir)?;
         let layout = cfg.kv_layout(opts.block_tokens);

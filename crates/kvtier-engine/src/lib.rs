@@ -18,6 +18,7 @@ pub mod engine_error;
 pub mod kv_pool;
 pub mod model;
 pub mod model_config;
+pub mod model_files;
 pub mod prefix_cache;
 pub mod prefix_restore;
 pub mod preset;
@@ -25,6 +26,7 @@ pub mod rope;
 pub mod sampling;
 pub mod scheduler;
 pub mod tokenizer;
+pub mod weight_check;
 pub mod weights;
 
 #[cfg(feature = "cuda")]

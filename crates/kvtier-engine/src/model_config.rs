@@ -12,6 +12,7 @@ use kvtier_store::{Arrangement, KvDtype, KvLayout};
 use serde::Deserialize;
 
 use crate::engine_error::EngineError;
+use crate::model_files::{CONFIG_MAX_BYTES, read_bounded_text};
 
 /// Llama 3 RoPE frequency scaling.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -130,10 +131,7 @@ impl ModelConfig {
     /// Reads and validates `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, EngineError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| EngineError::Io {
-            path: path.clone(),
-            source: e,
-        })?;
+        let text = read_bounded_text(&path, CONFIG_MAX_BYTES)?;
         Self::from_json(&text).map_err(|msg| EngineError::Config { path, msg })
     }
 
@@ -159,17 +157,37 @@ impl ModelConfig {
                 self.hidden_act
             ));
         }
-        for (name, v) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("max_position_embeddings", self.max_position_embeddings),
+        // Sane ranges, far above any published model, checked before
+        // anything is sized from them.
+        for (name, v, max) in [
+            ("vocab_size", self.vocab_size, 1 << 22),
+            ("hidden_size", self.hidden_size, 1 << 16),
+            ("intermediate_size", self.intermediate_size, 1 << 18),
+            ("num_hidden_layers", self.num_hidden_layers, 1 << 10),
+            ("num_attention_heads", self.num_attention_heads, 1 << 10),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                1 << 24,
+            ),
+            ("num_key_value_heads", self.kv_heads(), 1 << 10),
+            ("head_dim", self.head_dim.unwrap_or(1), 1 << 12),
         ] {
-            if v == 0 {
-                return Err(format!("{name} must be positive"));
+            if v == 0 || v > max {
+                return Err(format!("{name} {v} is out of range (1 to {max})"));
             }
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(format!(
+                "rope_theta {} must be a positive finite number",
+                self.rope_theta
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0 && self.rms_norm_eps < 1.0) {
+            return Err(format!(
+                "rms_norm_eps {} must be in (0, 1)",
+                self.rms_norm_eps
+            ));
         }
         let kv = self.kv_heads();
         if kv == 0 || !self.num_attention_heads.is_multiple_of(kv) {
@@ -187,10 +205,41 @@ impl ModelConfig {
                 self.head_dim()
             ));
         }
-        if let Some(rs) = &self.rope_scaling
-            && rs.rope_type.as_deref().is_some_and(|t| t != "llama3")
-        {
-            return Err(format!("unsupported rope_scaling type {:?}", rs.rope_type));
+        if let Some(rs) = &self.rope_scaling {
+            if rs.rope_type.as_deref().is_some_and(|t| t != "llama3") {
+                return Err(format!("unsupported rope_scaling type {:?}", rs.rope_type));
+            }
+            for (name, v) in [
+                ("factor", rs.factor),
+                ("low_freq_factor", rs.low_freq_factor),
+                ("high_freq_factor", rs.high_freq_factor),
+            ] {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(format!(
+                        "rope_scaling.{name} {v} must be a positive finite number"
+                    ));
+                }
+            }
+            if rs.original_max_position_embeddings == 0 {
+                return Err(
+                    "rope_scaling.original_max_position_embeddings must be positive".into(),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a model whose weights, as f32, could not fit in `memory`
+    /// bytes (0: unknown, not checked), before any of them is allocated.
+    pub fn check_fits(&self, memory: u64) -> Result<(), String> {
+        let weights = self.parameter_count().saturating_mul(4);
+        if memory > 0 && weights > memory {
+            return Err(format!(
+                "its shapes imply {} parameters ({:.1} GB as f32), more than this machine's {:.1} GB of memory",
+                self.parameter_count(),
+                weights as f64 / 1e9,
+                memory as f64 / 1e9
+            ));
         }
         Ok(())
     }

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
 
 use crate::engine_error::EngineError;
+use crate::model_files::{TOKENIZER_MAX_BYTES, read_bounded};
 
 /// A loaded tokenizer.
 #[derive(Debug, Clone)]
@@ -39,7 +40,8 @@ impl TextTokenizer {
                 msg: "file not found".into(),
             });
         }
-        let inner = Tokenizer::from_file(&path).map_err(|e| EngineError::Tokenizer {
+        let bytes = read_bounded(&path, TOKENIZER_MAX_BYTES)?;
+        let inner = Tokenizer::from_bytes(bytes).map_err(|e| EngineError::Tokenizer {
             path: path.clone(),
             msg: e.to_string(),
         })?;

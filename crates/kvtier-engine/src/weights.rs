@@ -13,6 +13,8 @@ use kvtier_io::safetensors::Dtype;
 use kvtier_store::ModelFingerprint;
 
 use crate::engine_error::EngineError;
+use crate::model_files::{CONFIG_MAX_BYTES, read_bounded};
+use crate::weight_check::check_tensor;
 
 /// Named weights waiting to be taken by the model builder.
 #[derive(Debug)]
@@ -53,6 +55,9 @@ impl Weights {
                         view.dtype.as_str()
                     )));
                 };
+                check_tensor(view.name, view.dtype, view.data).map_err(|msg| {
+                    EngineError::Weights(format!("{}: {msg}", shard.path().display()))
+                })?;
                 let t =
                     Tensor::from_raw_buffer(view.data, src, view.shape, device)?.to_dtype(dtype)?;
                 tensors.insert(view.name.to_string(), (t, shard.path().to_path_buf()));
@@ -67,8 +72,7 @@ impl Weights {
 
     /// The model's fingerprint: `dir/config.json` and every weight byte.
     pub fn fingerprint(&self, dir: &Path) -> Result<ModelFingerprint, EngineError> {
-        let path = dir.join("config.json");
-        let config = std::fs::read(&path).map_err(|e| EngineError::Io { path, source: e })?;
+        let config = read_bounded(&dir.join("config.json"), CONFIG_MAX_BYTES)?;
         Ok(model_fingerprint(&config, &self.digest))
     }
 

@@ -16,6 +16,7 @@ pub mod buffer;
 pub mod checkpoint;
 pub mod device_limit;
 pub mod direct;
+pub mod host_memory;
 pub mod io_engine;
 pub mod io_op;
 pub mod loader;

@@ -143,3 +143,99 @@ fn an_unknown_or_unbuilt_device_is_a_clear_error() {
         assert!(e.contains("--features cuda"), "{e}");
     }
 }
+
+/// Sets `field` of `dir/config.json` to `value`.
+fn set_config(dir: &Path, field: &str, value: Value) {
+    let path = dir.join("config.json");
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    cfg[field] = value;
+    std::fs::write(&path, cfg.to_string()).unwrap();
+}
+
+#[test]
+fn out_of_range_config_fields_are_refused_naming_the_field() {
+    for (field, value, needle) in [
+        (
+            "num_hidden_layers",
+            json!(1_000_000_000u64),
+            "num_hidden_layers",
+        ),
+        ("vocab_size", json!(1u64 << 40), "vocab_size"),
+        ("rope_theta", json!(0.0), "rope_theta"),
+        ("rms_norm_eps", json!(-1e-6), "rms_norm_eps"),
+    ] {
+        let (_tmp, dir) = tiny();
+        set_config(&dir, field, value);
+        let err = serve_fails(&dir);
+        assert!(
+            err.contains("config.json") && err.contains(needle),
+            "{field}: {err}"
+        );
+    }
+    // In range but more weights than this machine's memory.
+    let (_tmp, dir) = tiny();
+    set_config(&dir, "num_hidden_layers", json!(1024));
+    set_config(&dir, "hidden_size", json!(65536));
+    set_config(&dir, "intermediate_size", json!(262144));
+    set_config(&dir, "num_attention_heads", json!(512));
+    set_config(&dir, "num_key_value_heads", json!(512));
+    let err = serve_fails(&dir);
+    assert!(
+        err.contains("memory") && err.contains("config.json"),
+        "{err}"
+    );
+}
+
+#[test]
+fn config_or_tokenizer_that_is_a_device_or_fifo_is_an_error_not_a_hang() {
+    for file in ["config.json", "tokenizer.json"] {
+        let (_tmp, dir) = tiny();
+        let path = dir.join(file);
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        let err = serve_fails(&dir);
+        assert!(
+            err.contains(file) && err.contains("not a regular file"),
+            "{err}"
+        );
+
+        std::fs::remove_file(&path).unwrap();
+        let made = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let err = serve_fails(&dir);
+        assert!(
+            err.contains(file) && err.contains("not a regular file"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn nan_or_all_zero_weights_are_refused_naming_the_tensor() {
+    for (bits, needle) in [(f32::NAN.to_le_bytes(), "NaN"), ([0u8; 4], "all zeros")] {
+        let (_tmp, dir) = tiny();
+        let path = dir.join("model.safetensors");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let name = "model.norm.weight";
+        let info = &header[name];
+        assert_eq!(info["dtype"], "F32", "{header}");
+        let start = 8 + n + info["data_offsets"][0].as_u64().unwrap() as usize;
+        let end = 8 + n + info["data_offsets"][1].as_u64().unwrap() as usize;
+        if needle == "NaN" {
+            bytes[start..start + 4].copy_from_slice(&bits);
+        } else {
+            bytes[start..end].fill(0);
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let err = serve_fails(&dir);
+        assert!(
+            err.contains(name) && err.contains(needle) && err.contains("model.safetensors"),
+            "{err}"
+        );
+    }
+}
