@@ -150,12 +150,30 @@ unsafe impl HostAllocator for RecyclingAllocator {
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
         if layout.size() != 0 {
             let mut free = self.lock();
-            if free.len() < self.max_cached {
+            // A full cache makes room by dropping a buffer of another
+            // layout: buffers of a layout no longer asked for (the 4 KiB
+            // header reads of an index rebuild) must not fill it for good
+            // and turn every block buffer away.
+            let stale = if free.len() < self.max_cached {
+                None
+            } else {
+                free.iter().position(|c| c.layout != layout)
+            };
+            if free.len() < self.max_cached || stale.is_some() {
+                let evicted = stale.map(|i| free.swap_remove(i));
                 free.push(Cached {
                     layout,
                     addr: ptr.as_ptr() as usize,
                     zeroed: false,
                 });
+                drop(free);
+                if let Some(c) = evicted
+                    && let Some(old) = NonNull::new(c.addr as *mut u8)
+                {
+                    // SAFETY: cached allocations came from the system
+                    // allocator with `c.layout` and are referenced by nobody.
+                    unsafe { SystemAllocator.deallocate(old, c.layout) }
+                }
                 return;
             }
         }
@@ -188,6 +206,31 @@ mod tests {
     use crate::buffer::AlignedBuf;
 
     use super::*;
+
+    #[test]
+    fn buffers_of_an_old_layout_do_not_keep_new_ones_out_of_a_full_cache() {
+        let alloc = Arc::new(RecyclingAllocator::new(2));
+        let dyn_alloc: Arc<dyn HostAllocator> = alloc.clone();
+        // Two small buffers (an index rebuild's header reads) fill the cache.
+        let small: Vec<_> = (0..2)
+            .map(|_| AlignedBuf::for_overwrite_in(&dyn_alloc, 4096, 4096).unwrap())
+            .collect();
+        drop(small);
+        assert_eq!(alloc.cached_bytes(), 2 * 4096);
+        // Block buffers freed now replace them, and are handed out again.
+        let block = AlignedBuf::for_overwrite_in(&dyn_alloc, 16384, 4096).unwrap();
+        let addr = block.as_ptr() as usize;
+        drop(block);
+        assert_eq!(alloc.cached_bytes(), 4096 + 16384);
+        let again = AlignedBuf::for_overwrite_in(&dyn_alloc, 16384, 4096).unwrap();
+        assert_eq!(again.as_ptr() as usize, addr, "recycled, not fresh");
+        let (a, b) = (
+            AlignedBuf::for_overwrite_in(&dyn_alloc, 16384, 4096).unwrap(),
+            AlignedBuf::for_overwrite_in(&dyn_alloc, 16384, 4096).unwrap(),
+        );
+        drop((again, a, b));
+        assert_eq!(alloc.cached_bytes(), 2 * 16384, "the small one made room");
+    }
 
     #[test]
     fn reuses_zeroed_buffers_of_the_same_layout() {

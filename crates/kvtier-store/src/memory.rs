@@ -256,6 +256,11 @@ impl MemoryTier {
             .collect()
     }
 
+    /// Bytes it may hold.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.inner.lock().policy.capacity_bytes()
+    }
+
     /// Bytes held.
     pub fn used_bytes(&self) -> u64 {
         self.inner.lock().policy.used_bytes()

@@ -5,13 +5,16 @@ The Python side saves ``--total-bytes`` of blocks of vLLM's CPU page layout
 whose slot is ``--block-bytes`` into a :class:`kvtier.Store` namespace,
 flushes them to G3, and then, ``--repeat`` times, empties G2, drops the page
 cache and loads every block into per-layer torch tensors
-(:meth:`kvtier.Namespace.load_pages`), each verified and copied. The Rust
-side runs ``kvtier store bench --json`` with the same total, block size and
-reads in flight. GB/s is bytes of slots read over the time (10^9 bytes per
+(:meth:`kvtier.Namespace.load_pages`), each verified and copied. After each
+Python round the Rust side runs once (``kvtier store bench --json --repeat
+1``) with the same total, block size and reads in flight: the rounds are
+interleaved, so drift in the device's speed hits both sides alike; the
+medians are reported. GB/s is bytes of slots read over the time (10^9 bytes per
 second). The binary is ``--kvtier``, else ``$KVTIER_BIN``, else ``kvtier``
 on ``PATH``.
 
-JSON (``--json``): ``{"python_gbps": f64, "rust_gbps": f64}`` plus the
+JSON (``--json``): ``{"python_gbps": f64, "rust_gbps": f64}`` plus
+``ratio``, ``paired_ratio`` (the median of each round's python / rust), the
 samples and the shape.
 """
 
@@ -64,40 +67,44 @@ def _binary(arg: str | None) -> str:
     return b
 
 
-def python_side(root: Path, layout: Any, blocks: int, repeat: int, quiet: bool) -> list[float]:
-    import torch
+class PythonSide:
+    """The Python side's block set, saved once into a :class:`kvtier.Store`
+    namespace and flushed to G3; each :meth:`round` empties G2, drops the
+    page cache and loads every block into per-layer torch tensors."""
 
-    import kvtier
+    def __init__(self, root: Path, layout: Any, blocks: int) -> None:
+        import torch
 
-    store = kvtier.Store(str(root), g2_bytes=256 << 20, g3_bytes=(blocks + 8) * layout.slot_bytes)
-    ns = store.namespace(layout, fingerprint="kvtier.bench restore")
-    pages = min(blocks, 64)
-    kv = [torch.randn(pages, layout.layer_bytes // 4) for _ in range(LAYERS)]
-    keys = [i.to_bytes(8, "little") for i in range(blocks)]
-    for start in range(0, blocks, pages):
-        chunk = keys[start : start + pages]
-        res = ns.save_pages(chunk, kv, range(len(chunk))).wait()
-        assert res is not None and all(r.ok for r in res), res
-    ns.flush()
-    dest = [torch.empty(blocks, layout.layer_bytes // 4) for _ in range(LAYERS)]
-    for t in dest:
-        t.fill_(0)  # touched once: the timed loads write resident memory
-    samples = []
-    files = [str(p) for p in root.rglob("*.kvt")]
-    for r in range(repeat):
-        ns.evict_memory()
-        drop_page_cache(files)
+        import kvtier
+
+        self.layout, self.blocks = layout, blocks
+        self.store = kvtier.Store(str(root), g2_bytes=256 << 20, g3_bytes=(blocks + 8) * layout.slot_bytes)
+        self.ns = self.store.namespace(layout, fingerprint="kvtier.bench restore")
+        pages = min(blocks, 64)
+        kv = [torch.randn(pages, layout.layer_bytes // 4) for _ in range(LAYERS)]
+        self.keys = [i.to_bytes(8, "little") for i in range(blocks)]
+        for start in range(0, blocks, pages):
+            chunk = self.keys[start : start + pages]
+            res = self.ns.save_pages(chunk, kv, range(len(chunk))).wait()
+            assert res is not None and all(r.ok for r in res), res
+        self.ns.flush()
+        self.dest = [torch.empty(blocks, layout.layer_bytes // 4) for _ in range(LAYERS)]
+        for t in self.dest:
+            t.fill_(0)  # touched once: the timed loads write resident memory
+        self.files = [str(p) for p in root.rglob("*.kvt")]
+
+    def round(self) -> float:
+        """GB/s of one cold load of every block from G3."""
+        self.ns.evict_memory()
+        drop_page_cache(self.files)
         t = time.perf_counter()
-        res = ns.load_pages(keys, dest, range(blocks)).wait()
+        res = self.ns.load_pages(self.keys, self.dest, range(self.blocks)).wait()
         secs = time.perf_counter() - t
         assert res is not None
         bad = [r for r in res if r.tier != "g3"]
         if bad:
             raise RuntimeError(f"{len(bad)} blocks did not come from G3: {bad[:3]}")
-        samples.append(blocks * layout.slot_bytes / secs / 1e9)
-        if not quiet:
-            print(f"round {r + 1}: python {samples[-1]:.2f} GB/s", file=sys.stderr)
-    return samples
+        return float(self.blocks * self.layout.slot_bytes / secs / 1e9)
 
 
 def rust_side(binary: str, root: Path, args: argparse.Namespace, block_bytes: int) -> dict[str, Any]:
@@ -114,7 +121,7 @@ def rust_side(binary: str, root: Path, args: argparse.Namespace, block_bytes: in
         "--in-flight",
         str(args.in_flight),
         "--repeat",
-        str(args.repeat),
+        "1",
         "--json",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -132,21 +139,36 @@ def run(args: argparse.Namespace) -> int:
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvtier-bench-restore-"))
     made = args.dir is None
     py_root = base / f"python-{os.getpid()}"
+    py_samples: list[float] = []
+    rust_samples: list[float] = []
+    limits: list[float] = []
+    rust: dict[str, Any] = {}
     try:
-        py = python_side(py_root, layout, blocks, max(1, args.repeat), args.json)
-        rust = rust_side(binary, base, args, slot)
+        py = PythonSide(py_root, layout, blocks)
+        # Interleaved, A B A B: the device's speed drifts on a shared VM.
+        for r in range(max(1, args.repeat)):
+            py_samples.append(py.round())
+            rust = rust_side(binary, base, args, slot)
+            case = max(rust["cases"], key=lambda c: c["in_flight"])
+            rust_samples.extend(case["samples_gbps"])
+            limits.append(rust["device_limit_gbps"])
+            if not args.json:
+                print(f"round {r + 1}: python {py_samples[-1]:.2f} GB/s, rust {rust_samples[-1]:.2f} GB/s", file=sys.stderr)
+        del py
     finally:
         shutil.rmtree(py_root, ignore_errors=True)
         if made:
             shutil.rmtree(base, ignore_errors=True)
-    case = max(rust["cases"], key=lambda c: c["in_flight"])
+    python_gbps, rust_gbps = median(py_samples), median(rust_samples)
     report = {
-        "python_gbps": median(py),
-        "rust_gbps": case["gbps"],
-        "ratio": median(py) / case["gbps"] if case["gbps"] else 0.0,
-        "python_samples_gbps": py,
-        "rust_samples_gbps": case["samples_gbps"],
-        "device_limit_gbps": rust["device_limit_gbps"],
+        "python_gbps": python_gbps,
+        "rust_gbps": rust_gbps,
+        "ratio": python_gbps / rust_gbps if rust_gbps else 0.0,
+        # Median of each round's python / rust (neighbours in time).
+        "paired_ratio": median([p / r for p, r in zip(py_samples, rust_samples) if r > 0]),
+        "python_samples_gbps": py_samples,
+        "rust_samples_gbps": rust_samples,
+        "device_limit_gbps": median(limits),
         "slot_bytes": slot,
         "blocks": blocks,
         "rust_blocks": rust["blocks"],
@@ -159,5 +181,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"{blocks} blocks of {slot} bytes; device read limit {rust['device_limit_gbps']:.2f} GB/s")
     print(f"python (kvtier.Namespace.load_pages)  {report['python_gbps']:6.2f} GB/s")
     print(f"rust (kvtier store bench)             {report['rust_gbps']:6.2f} GB/s")
-    print(f"python / rust                         {report['ratio']:6.2f}")
+    print(f"python / rust                         {report['ratio']:6.2f} (paired rounds: {report['paired_ratio']:.2f})")
     return 0
