@@ -168,6 +168,7 @@ class Store:
         g2_bytes: int = ...,
         g3_bytes: int = ...,
         remote: str | None = None,
+        g3_sync_ms: int = ...,
     ) -> None: ...
     def namespace(
         self,

@@ -229,7 +229,9 @@ class Store:
     """A tiered KV store over ``cache_dir``: ``g2_bytes`` of host memory for
     all namespaces together, ``g3_bytes`` of disk per namespace, and the G4
     pool at ``remote`` (``redis://``, ``rediss://``, ``redis+cluster://``,
-    ``s3://``) if given."""
+    ``s3://``) if given. Blocks that live only in host memory are written
+    to disk within about ``g3_sync_ms`` (0: only when evicted, flushed or
+    closed), so a killed process loses at most that much."""
 
     def __init__(
         self,
@@ -237,8 +239,9 @@ class Store:
         g2_bytes: int = 1 << 30,
         g3_bytes: int = 8 << 30,
         remote: str | None = None,
+        g3_sync_ms: int = 1000,
     ) -> None:
-        self._store = _kvtier.Store(str(cache_dir), g2_bytes, g3_bytes, remote)
+        self._store = _kvtier.Store(str(cache_dir), g2_bytes, g3_bytes, remote, g3_sync_ms)
 
     def namespace(
         self,

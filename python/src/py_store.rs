@@ -508,6 +508,7 @@ impl Namespace {
 pub struct Store {
     cache_dir: PathBuf,
     g3_bytes: u64,
+    g3_sync: Option<std::time::Duration>,
     remote: Option<String>,
     shared: SharedMemory,
     namespaces: Mutex<HashMap<String, Py<Namespace>>>,
@@ -517,14 +518,16 @@ pub struct Store {
 impl Store {
     /// Opens a store over `cache_dir` (created if missing): `g2_bytes` of
     /// host memory for every namespace together, `g3_bytes` of disk per
-    /// namespace, and the G4 pool at `remote` if given.
+    /// namespace, and the G4 pool at `remote` if given; blocks only in
+    /// host memory reach disk within about `g3_sync_ms` (0: off).
     #[new]
-    #[pyo3(signature = (cache_dir, g2_bytes = 1 << 30, g3_bytes = 8 << 30, remote = None))]
+    #[pyo3(signature = (cache_dir, g2_bytes = 1 << 30, g3_bytes = 8 << 30, remote = None, g3_sync_ms = 1000))]
     fn new(
         cache_dir: PathBuf,
         g2_bytes: u64,
         g3_bytes: u64,
         remote: Option<String>,
+        g3_sync_ms: u64,
     ) -> PyResult<Self> {
         if let Some(url) = &remote {
             // Checked now, so a bad URL fails here, not at the first namespace.
@@ -543,6 +546,7 @@ impl Store {
         Ok(Self {
             cache_dir,
             g3_bytes,
+            g3_sync: (g3_sync_ms > 0).then(|| std::time::Duration::from_millis(g3_sync_ms)),
             remote,
             shared: SharedMemory::new(g2_bytes),
             namespaces: Mutex::new(HashMap::new()),
@@ -611,6 +615,7 @@ impl Store {
             layout,
         ));
         config.remote = self.remote.as_ref().map(RemoteConfig::new);
+        config.g3_sync = self.g3_sync;
         // Opened with the GIL held: the namespace lock is held too, and a
         // thread waiting for that lock holds the GIL (releasing it here
         // could deadlock the two).

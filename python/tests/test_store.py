@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,47 @@ def test_a_second_process_on_the_same_cache_dir_is_refused_with_the_holders_pid(
     dst = [np.zeros_like(t) for t in src]
     assert all(r.tier == "g2" for r in ns.load_pages(hashes(2), dst, range(2)).wait())
     assert all((a == b).all() for a, b in zip(src, dst))
+
+
+def _blocks_on_disk_after_kill_9(tmp_path: Path, g3_sync_ms: int) -> int:
+    """Saves 8 blocks in a child process with ``g3_sync_ms``, kills it with
+    SIGKILL a second later, and counts the blocks a new store loads from G3."""
+    layout = Layout.vllm_cpu(2, 1, 64, block_tokens=16)
+    cache = tmp_path / f"cache-{g3_sync_ms}"
+    script = textwrap.dedent(
+        f"""
+        import sys, time, numpy as np, kvtier
+        store = kvtier.Store({str(cache)!r}, g2_bytes=8 << 20, g3_bytes=16 << 20, g3_sync_ms={g3_sync_ms})
+        layout = kvtier.Layout.vllm_cpu(2, 1, 64, block_tokens=16)
+        ns = store.namespace(layout, fingerprint="m")
+        src = [np.full((8, layout.layer_bytes), 7, dtype=np.uint8) for _ in range(2)]
+        keys = [i.to_bytes(8, "little") for i in range(8)]
+        assert all(r.ok for r in ns.save_pages(keys, src, range(8)).wait())
+        print("saved", flush=True)
+        time.sleep(60)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "saved"
+        time.sleep(1.0)
+        child.kill()
+    finally:
+        child.wait(timeout=60)
+    assert child.returncode == -9
+    store = Store(str(cache), g2_bytes=8 << 20, g3_bytes=16 << 20)
+    ns = store.namespace(layout, fingerprint="m")
+    dst = [np.zeros((8, layout.layer_bytes), dtype=np.uint8) for _ in range(2)]
+    res = ns.load_pages(hashes(8), dst, range(8)).wait()
+    hits = [r for r in res if r.tier == "g3"]
+    assert all((d[[i for i, r in enumerate(res) if r.tier == "g3"]] == 7).all() for d in dst)
+    return len(hits)
+
+
+def test_blocks_older_than_the_sync_bound_survive_a_kill_9(tmp_path: Path) -> None:
+    assert _blocks_on_disk_after_kill_9(tmp_path, 100) == 8
+    # The control: with the sync off, the blocks never left host memory.
+    assert _blocks_on_disk_after_kill_9(tmp_path, 0) == 0
 
 
 def test_a_flipped_byte_is_corrupt_for_that_block_only(tmp_path: Path) -> None:

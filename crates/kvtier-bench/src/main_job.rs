@@ -266,6 +266,7 @@ fn in_process(opts: &MainJobOptions) -> Result<InProcess> {
         disk_dirs: vec![opts.cache_dir.join("g3")],
         disk_bytes: opts.g3_bytes,
         remote: None,
+        g3_sync: None,
     };
     let engine = Engine::load(&model_dir, engine_opts, Some(store))
         .with_step(|| format!("loading the model in {}", model_dir.display()))?;

@@ -30,6 +30,7 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
         disk_dirs: vec![cache.path().to_path_buf()],
         disk_bytes: 64 << 20,
         remote: None,
+        g3_sync: None,
     };
     let engine = Engine::load(model.path(), opts, Some(store)).unwrap();
     let tok = TextTokenizer::from_dir(model.path()).unwrap();

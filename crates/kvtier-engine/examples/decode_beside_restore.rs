@@ -99,6 +99,7 @@ fn store(a: &Args, cache: &Path) -> StoreOptions {
         },
         disk_bytes: if a.g4 { 0 } else { 8 << 30 },
         remote: a.remote.as_ref().filter(|_| a.g4).map(RemoteConfig::new),
+        g3_sync: None,
     }
 }
 

@@ -37,6 +37,7 @@ fn main() -> Result<(), EngineError> {
         disk_dirs: vec![cache.clone()],
         disk_bytes: 4 << 30,
         remote: None,
+        g3_sync: None,
     };
     let mut e = Engine::load(&dir, opts, Some(store))?;
     let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 31 + 7) % 256).collect();

@@ -73,6 +73,10 @@ pub struct StoreOptions {
     pub disk_bytes: u64,
     /// G4, a pool shared with other nodes (none: no G4).
     pub remote: Option<kvtier_store::RemoteConfig>,
+    /// How often blocks only in G2 are written to G3
+    /// ([`StoreConfig::g3_sync`]): `None` is the store's default
+    /// ([`kvtier_store::DEFAULT_G3_SYNC`]), zero turns it off.
+    pub g3_sync: Option<std::time::Duration>,
 }
 
 /// Identifies a sequence inside the engine.
@@ -187,6 +191,9 @@ impl Engine {
                     sc.disk = Some(DiskConfig::new(so.disk_dirs, so.disk_bytes, layout));
                 }
                 sc.remote = so.remote;
+                if let Some(every) = so.g3_sync {
+                    sc.g3_sync = (!every.is_zero()).then_some(every);
+                }
                 Some(TieredStore::open(sc)?)
             }
             None => None,

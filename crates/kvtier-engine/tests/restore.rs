@@ -31,6 +31,7 @@ fn store_opts(cache: &Path) -> StoreOptions {
         disk_dirs: vec![cache.to_path_buf()],
         disk_bytes: 64 << 20,
         remote: None,
+        g3_sync: None,
     }
 }
 

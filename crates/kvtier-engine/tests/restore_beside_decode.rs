@@ -33,6 +33,7 @@ fn engine(model: &Path, remote: Option<&str>) -> Engine {
             disk_dirs: vec![],
             disk_bytes: 0,
             remote: Some(r),
+            g3_sync: None,
         }
     });
     Engine::load(model, opts, store).unwrap()

@@ -323,6 +323,7 @@ fn store_options(opts: &ServeOptions) -> Result<Option<StoreOptions>, ServeError
         disk_dirs,
         disk_bytes: opts.g3_bytes,
         remote,
+        g3_sync: Some(opts.g3_sync),
     }))
 }
 

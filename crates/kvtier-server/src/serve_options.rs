@@ -37,6 +37,11 @@ pub struct ServeOptions {
     /// G3 (disk, under `cache_dir`) capacity of the KV store (0: none)
     /// (default: 16 GiB).
     pub g3_bytes: u64,
+    /// Bounded write-back: blocks that live only in G2 reach G3 within about
+    /// this long, so a kill -9 loses at most that much computed KV (zero:
+    /// only on eviction and at a clean stop) (default: 1 s,
+    /// [`kvtier_store::DEFAULT_G3_SYNC`]).
+    pub g3_sync: Duration,
     /// Longest sequence (prompt + generated tokens) served; also capped by
     /// the model's `max_position_embeddings` (default: 8192).
     pub max_seq_tokens: usize,
@@ -76,6 +81,7 @@ impl Default for ServeOptions {
             pool_pages: None,
             g2_bytes: 1 << 30,
             g3_bytes: 16 << 30,
+            g3_sync: kvtier_store::DEFAULT_G3_SYNC,
             max_seq_tokens: 8192,
             max_prompt_tokens: None,
             max_batch: 8,

@@ -54,6 +54,13 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = parse_size)]
     pub g3_bytes: u64,
 
+    /// Bounded write-back: blocks that live only in G2 (host memory) are
+    /// written to G3 within about this many milliseconds, so a kill -9 loses
+    /// at most that much computed KV (0: G3 gets blocks only when G2 evicts
+    /// them and at a clean stop).
+    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    pub g3_sync_ms: u64,
+
     /// Longest sequence (prompt + generated tokens) served; also capped by
     /// the model's max_position_embeddings.
     #[arg(long, value_name = "N", default_value_t = 8192,
@@ -112,6 +119,7 @@ impl ServeArgs {
             pool_pages: self.pool_pages.map(|n| n as usize),
             g2_bytes: self.g2_bytes,
             g3_bytes: self.g3_bytes,
+            g3_sync: std::time::Duration::from_millis(self.g3_sync_ms),
             max_seq_tokens: self.max_seq_tokens as usize,
             max_prompt_tokens: self.max_prompt_tokens.map(|n| n as usize),
             max_batch: self.max_batch as usize,

@@ -94,3 +94,34 @@ fn sigterm_finishes_the_stream_in_flight_and_flushes_the_cache_to_g3() {
     let status = s2.wait();
     assert!(status.success(), "{status:?}; stderr:\n{}", s2.stderr());
 }
+
+/// Serves `prompt` once on a fresh server with `--g3-sync-ms sync_ms`, kills
+/// it with SIGKILL `wait_ms` later, and returns the prompt tokens a restarted
+/// server restores from G3.
+fn g3_tokens_after_kill_9(sync_ms: &str, wait_ms: u64) -> u64 {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    init_model(&root.join("tiny"), 3);
+    let prompt = long_prompt(300);
+    let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0});
+    let extra = ["--max-seq-tokens", "8192", "--g3-sync-ms", sync_ms];
+    let mut s = Server::start_in(root, &extra);
+    let r = s.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    std::thread::sleep(std::time::Duration::from_millis(wait_ms));
+    s.signal("KILL");
+    let status = s.wait();
+    assert!(!status.success(), "{status:?}");
+
+    let s2 = Server::start_in(root, &["--max-seq-tokens", "8192"]);
+    let v = s2.post("/v1/completions", &body).json();
+    v["kvtier"]["cached_tokens"]["g3"].as_u64().unwrap()
+}
+
+#[test]
+fn kill_9_after_the_write_back_bound_loses_no_computed_block() {
+    // Ten bounds after the answer: every full block of the prompt is on G3.
+    assert_eq!(g3_tokens_after_kill_9("200", 2000), 288);
+    // The control: without the bound, the blocks never left G2.
+    assert_eq!(g3_tokens_after_kill_9("0", 2000), 0);
+}

@@ -25,6 +25,7 @@
 //! * Dropping the last handle (or [`TieredStore::close`]) writes every block
 //!   not yet on disk to G3 and syncs it, so a clean stop keeps the cache.
 
+mod g3_sync;
 mod pending;
 mod shared_memory;
 mod store_error;
@@ -56,6 +57,12 @@ pub(crate) use tier_reads::Found;
 use write_back::{LocalBlock, WriteBack};
 use write_through::WriteThrough;
 
+/// How often blocks that live only in G2 are written to G3 by default
+/// ([`StoreConfig::g3_sync`]): a crash (kill -9, OOM) loses at most about
+/// a second of computed KV, and a second's worth of blocks is one batched
+/// write, not a write per block.
+pub const DEFAULT_G3_SYNC: std::time::Duration = std::time::Duration::from_millis(1000);
+
 /// Configuration of a [`TieredStore`].
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -75,6 +82,11 @@ pub struct StoreConfig {
     pub writeback_max_bytes: u64,
     /// Write dirty G2 blocks to G3 when the store closes.
     pub persist_on_close: bool,
+    /// Bounded write-back: blocks that live only in G2 are written to G3
+    /// about this often (off every read's path), so a crash loses at most
+    /// about this much of what was computed. `None` (or zero): G3 gets a
+    /// block only when G2 evicts it, at a flush, or at close.
+    pub g3_sync: Option<std::time::Duration>,
     /// G4, a pool shared with other nodes, if any.
     pub remote: Option<RemoteConfig>,
     /// A G2 budget shared with other stores (one per model or layout); when
@@ -84,7 +96,7 @@ pub struct StoreConfig {
 
 impl StoreConfig {
     /// Defaults: 1 GiB G2, no G3, admission filter off, 256 MiB write-back
-    /// queue, persist on close.
+    /// queue, persist on close, G3 sync every [`DEFAULT_G3_SYNC`].
     pub fn new(layout: KvLayout, fingerprint: ModelFingerprint) -> Self {
         Self {
             layout,
@@ -95,6 +107,7 @@ impl StoreConfig {
             admission_window: 1 << 20,
             writeback_max_bytes: 256 << 20,
             persist_on_close: true,
+            g3_sync: Some(DEFAULT_G3_SYNC),
             remote: None,
             shared_memory: None,
         }
@@ -263,7 +276,9 @@ impl TieredStore {
                 Some(WriteBack::open(
                     disk,
                     memory.clone(),
+                    owner,
                     config.writeback_max_bytes,
+                    config.g3_sync,
                     metrics.clone(),
                 )?)
             }

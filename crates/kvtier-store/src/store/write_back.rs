@@ -3,44 +3,59 @@
 //! writes every block G3 lacks and syncs the segments.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvtier_io::AlignedBuf;
 
+use super::g3_sync::G3Sync;
 use super::pending::Pending;
 use super::store_error::StoreError;
 use super::writer_thread::{WRITE_BATCH, Writer};
 use crate::disk::{DiskError, DiskTier, PutOutcome};
 use crate::key::BlockKey;
-use crate::memory::MemoryTier;
+use crate::memory::{MemoryTier, Owner};
 use crate::metrics::StoreMetrics;
 
 /// A block to write back: its key and encoded bytes.
 pub(super) type LocalBlock = (BlockKey, Arc<AlignedBuf>);
 
-/// G3 and its writer.
+/// G3, its writer, and the bounded write-back of G2 ([`G3Sync`]).
 pub(super) struct WriteBack {
+    /// First, so it is stopped (and lets go of the writer) before the rest
+    /// is dropped.
+    sync: Option<G3Sync>,
     pub(super) disk: Arc<DiskTier>,
     pub(super) pending: Arc<Pending>,
-    writer: Writer<LocalBlock>,
+    writer: Arc<Writer<LocalBlock>>,
 }
 
 impl WriteBack {
     /// Starts the writer for `disk`; at most about `max_bytes` wait in the
-    /// queue.
+    /// queue. With `sync`, `owner`'s blocks that live only in G2 are
+    /// written to G3 within about that long ([`G3Sync`]).
     pub(super) fn open(
         disk: Arc<DiskTier>,
         memory: Arc<MemoryTier>,
+        owner: Owner,
         max_bytes: u64,
+        sync: Option<Duration>,
         metrics: Arc<StoreMetrics>,
     ) -> Result<Self, StoreError> {
         let pending = Arc::new(Pending::new(max_bytes));
         let writer = {
-            let (disk, pending) = (disk.clone(), pending.clone());
-            Writer::spawn("kvtier-writeback", move |batch| {
+            let (disk, pending, memory) = (disk.clone(), pending.clone(), memory.clone());
+            Arc::new(Writer::spawn("kvtier-writeback", move |batch| {
                 write_back(&disk, &memory, &pending, &metrics, batch);
-            })?
+            })?)
+        };
+        let sync = match sync {
+            Some(every) if !every.is_zero() => {
+                Some(G3Sync::spawn(every, memory, owner, writer.clone())?)
+            }
+            _ => None,
         };
         Ok(Self {
+            sync,
             disk,
             pending,
             writer,
@@ -79,8 +94,12 @@ impl WriteBack {
             .map_err(|e| StoreError::Disk(DiskError::Io(e)))
     }
 
-    /// Lets the queued writes finish and stops the writer.
+    /// Stops the sync thread, lets the queued writes finish and stops the
+    /// writer.
     pub(super) fn stop(&self) {
+        if let Some(s) = &self.sync {
+            s.stop();
+        }
         self.writer.stop();
     }
 
