@@ -65,6 +65,9 @@ pub enum Command {
     /// model, `--block-tokens` and `--tenant-salt` to restore instead of
     /// computing. Exits once every block is in G4.
     Prefill(crate::cmd_prefill::PrefillArgs),
+    /// `kvtier serve`'s config file: `--print-default` prints every key at
+    /// its default with each flag's help as comments (for `serve --config`).
+    Config(ConfigArgs),
 }
 
 /// `kvtier model ...` commands.
@@ -289,6 +292,15 @@ fn block_bytes_arg(s: &str) -> Result<u64, String> {
     let n = parse_size(s)?;
     check_block_bytes(n)?;
     Ok(n)
+}
+
+/// Flags of `kvtier config`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConfigArgs {
+    /// Print the whole `kvtier serve` config file (TOML), every key at its
+    /// default.
+    #[arg(long, required = true)]
+    pub print_default: bool,
 }
 
 #[cfg(test)]

@@ -16,9 +16,22 @@ use crate::remote_flags::RemoteFlags;
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// Model directory (Hugging Face layout: config.json, *.safetensors,
-    /// tokenizer.json), e.g. one written by `kvtier model init`.
+    /// tokenizer.json), e.g. one written by `kvtier model init`; the same as
+    /// `--model` (as `vllm serve MODEL`), and wins over it.
+    #[arg(value_name = "MODEL_DIR")]
+    pub model_dir: Option<PathBuf>,
+
+    /// Model directory (as the positional MODEL_DIR).
     #[arg(long, value_name = "DIR")]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
+
+    /// A TOML file of serve settings: every flag is a key (`cache_dir`,
+    /// `g2_bytes`, ...) and also an environment variable `KVTIER_<KEY>`;
+    /// flags win over the environment, the environment over the file
+    /// (`kvtier config --print-default` prints the whole file). Also
+    /// `KVTIER_CONFIG`.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
 
     /// Directory for the G3 (disk) tier of the KV cache; created if missing.
     #[arg(long, value_name = "DIR", default_value = "./kvtier-cache")]
@@ -33,7 +46,7 @@ pub struct ServeArgs {
     pub port: u16,
 
     /// Name clients pass as `model` [default: the model directory's name].
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", alias = "served-model-name")]
     pub model_name: Option<String>,
 
     /// Tokens per KV block (one G1 page, one store block).
@@ -63,7 +76,7 @@ pub struct ServeArgs {
 
     /// Longest sequence (prompt + generated tokens) served; also capped by
     /// the model's max_position_embeddings.
-    #[arg(long, value_name = "N", default_value_t = 8192,
+    #[arg(long, value_name = "N", default_value_t = 8192, alias = "max-model-len",
           value_parser = clap::value_parser!(u32).range(2..))]
     pub max_seq_tokens: u32,
 
@@ -107,10 +120,21 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// The server options these flags ask for.
+    /// The model directory: the positional one, else `--model`.
+    pub fn model_path(&self) -> Result<PathBuf> {
+        match self.model_dir.as_ref().or(self.model.as_ref()) {
+            Some(d) => Ok(d.clone()),
+            None => anyhow::bail!(
+                "the model directory is required: kvtier serve MODEL_DIR, or --model DIR"
+            ),
+        }
+    }
+
+    /// The server options these flags ask for (the model directory empty
+    /// when none was given: see [`model_path`](Self::model_path)).
     pub fn options(&self) -> ServeOptions {
         ServeOptions {
-            model: self.model.clone(),
+            model: self.model_path().unwrap_or_default(),
             cache_dir: self.cache_dir.clone(),
             host: self.host.clone(),
             port: self.port,
@@ -135,5 +159,6 @@ impl ServeArgs {
 
 /// Runs `kvtier serve` until SIGINT/SIGTERM.
 pub fn run(args: &ServeArgs) -> Result<()> {
+    args.model_path()?;
     Ok(kvtier_server::run(args.options())?)
 }

@@ -11,6 +11,7 @@
 //! * `kvtier model init`: write an embedded default model (tiny, small).
 //! * `kvtier serve`: the OpenAI-compatible HTTP server (`kvtier-server`).
 //! * `kvtier prefill`: compute a prompt's KV and leave it in the G4 pool.
+//! * `kvtier config --print-default`: `serve`'s whole config file.
 //!
 //! Errors go to stderr with their causes, and the exit status is non-zero.
 
@@ -25,6 +26,7 @@ mod cmd_serve;
 mod cmd_store;
 mod print_report;
 mod remote_flags;
+mod serve_config;
 
 use std::process::ExitCode;
 
@@ -60,13 +62,29 @@ fn run(cli: Cli) -> Result<()> {
         Command::Checkpoint(CheckpointCommand::Bench(args)) => cmd_model::checkpoint_bench(&args),
         Command::Serve(args) => cmd_serve::run(&args),
         Command::Prefill(args) => cmd_prefill::run(&args),
+        Command::Config(args) => {
+            if args.print_default {
+                print!("{}", serve_config::print_default());
+            }
+            Ok(())
+        }
     }
 }
 
 fn main() -> ExitCode {
     // SAFETY: first thing in main, before any thread starts.
     unsafe { kvtier_engine::fix_cpu_threads() };
-    let cli = Cli::parse();
+    // `serve` settings from KVTIER_* variables and --config become flags
+    // ahead of the command line (serve_config.rs).
+    let argv =
+        match serve_config::expand_args(std::env::args_os().collect(), |k| std::env::var(k).ok()) {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                return ExitCode::from(2);
+            }
+        };
+    let cli = Cli::parse_from(argv);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -95,6 +95,30 @@ fn a_second_server_on_the_same_cache_dir_is_refused_naming_the_first() {
 }
 
 #[test]
+fn the_printed_default_config_starts_a_server_and_the_environment_reaches_serve() {
+    let out = kvtier()
+        .args(["config", "--print-default"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("kvtier.toml");
+    std::fs::write(&file, &out.stdout).unwrap();
+    let path = file.display().to_string();
+    let s = Server::start(&["--config", &path]);
+    s.assert_serves();
+    // A KVTIER_<KEY> variable is a flag's value (checked like one).
+    let out = kvtier()
+        .args(["serve", "--model", "m"])
+        .env("KVTIER_MAX_BATCH", "0")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("max-batch"), "{stderr}");
+}
+
+#[test]
 fn bad_serve_and_prefill_flags_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("tiny");
