@@ -103,6 +103,7 @@ impl Target for InProcess {
         let (tx, rx) = mpsc::channel();
         let t0 = Instant::now();
         let submitted = s.submit(GenerateRequest {
+            salt: Vec::new(),
             prompt,
             max_tokens,
             sampling: SamplingParams::default(),

@@ -175,6 +175,7 @@ fn run() -> Result<(), String> {
     for d in 0..a.decoders {
         let (tx, rx) = mpsc::channel();
         let req = GenerateRequest {
+            salt: Vec::new(),
             prompt: prompt(32, d as u32),
             max_tokens: 7000,
             sampling: SamplingParams::default(),
@@ -213,6 +214,7 @@ fn run() -> Result<(), String> {
         let (tx, rx) = mpsc::channel();
         let submitted = Instant::now();
         let req = GenerateRequest {
+            salt: Vec::new(),
             prompt: p.clone(),
             max_tokens: 1,
             sampling: SamplingParams::default(),

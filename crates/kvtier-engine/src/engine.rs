@@ -137,6 +137,8 @@ pub(crate) struct Seq {
     pub(crate) computed: usize,
     /// Keys of the full pages registered so far.
     pub(crate) keys: Vec<BlockKey>,
+    /// The chain its keys come from: the engine's, salted by the request.
+    pub(crate) chain: KeyChain,
     /// A prefill begun and not attached yet.
     pub(crate) prefill: Option<Begun>,
 }
@@ -378,12 +380,8 @@ impl Engine {
         let mut new = Vec::new();
         while seq.keys.len() < full {
             let i = seq.keys.len();
-            let prev = seq
-                .keys
-                .last()
-                .copied()
-                .unwrap_or_else(|| self.keychain.seed());
-            let key = self.keychain.next(&prev, &seq.tokens[i * bt..(i + 1) * bt]);
+            let prev = seq.keys.last().copied().unwrap_or_else(|| seq.chain.seed());
+            let key = seq.chain.next(&prev, &seq.tokens[i * bt..(i + 1) * bt]);
             seq.keys.push(key);
             let page = seq.table[i];
             if self.g1.insert(key, page) {

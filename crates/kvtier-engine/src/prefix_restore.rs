@@ -73,6 +73,19 @@ impl Engine {
         prompt: &[u32],
         on_restored: impl FnOnce() + Send + 'static,
     ) -> Result<SeqId, EngineError> {
+        self.begin_salted(prompt, b"", on_restored)
+    }
+
+    /// [`begin`](Self::begin) with the request's own `salt` in its block
+    /// keys (`KeyChain::salted`, docs/keys.md "Request salts"): a tenant's
+    /// or a `cache_salt`'s prefixes are found only by requests with the
+    /// same salt, in G1 and in every store tier. Empty: the engine's chain.
+    pub fn begin_salted(
+        &mut self,
+        prompt: &[u32],
+        salt: &[u8],
+        on_restored: impl FnOnce() + Send + 'static,
+    ) -> Result<SeqId, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::Request("empty prompt".into()));
         }
@@ -86,11 +99,13 @@ impl Engine {
         let id = self.next_id;
         self.next_id += 1;
         let started = Instant::now();
+        let chain = self.keychain.salted(salt);
         let mut seq = Seq {
             tokens: prompt.to_vec(),
             table: Vec::new(),
             computed: 0,
             keys: Vec::new(),
+            chain,
             prefill: None,
         };
         let mut begun = Begun {
@@ -113,7 +128,7 @@ impl Engine {
             // be computed.
             let bt = self.opts.block_tokens;
             let usable = (prompt.len() - 1) / bt;
-            let keys = self.keychain.keys(&prompt[..usable * bt]);
+            let keys = seq.chain.keys(&prompt[..usable * bt]);
             for key in &keys {
                 let Some(page) = self.g1.get(key) else { break };
                 self.pool.retain(page);

@@ -70,6 +70,10 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Token ids that end generation (not emitted).
     pub stop_tokens: Vec<u32>,
+    /// The request's salt in its block keys (a tenant, a `cache_salt`):
+    /// only requests with the same salt share its cached prefix. Empty: the
+    /// engine's keys ([`Engine::begin_salted`]).
+    pub salt: Vec<u8>,
     /// Where events go.
     pub events: EventSink,
 }
@@ -392,7 +396,7 @@ fn offload(engine: &mut Engine) {
 fn begin(engine: &mut Engine, q: Queued, wake: &Sender<Msg>) -> Option<Restoring> {
     let Queued { mut req, arrived } = q;
     let wake = wake.clone();
-    match engine.begin(&req.prompt, move || {
+    match engine.begin_salted(&req.prompt, &req.salt, move || {
         let _ = wake.send(Msg::Wake);
     }) {
         Ok(seq) => Some(Restoring { seq, req, arrived }),

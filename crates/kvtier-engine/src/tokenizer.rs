@@ -19,6 +19,7 @@ use crate::model_files::{TOKENIZER_MAX_BYTES, read_bounded};
 pub struct TextTokenizer {
     inner: Tokenizer,
     path: PathBuf,
+    longest_token_bytes: usize,
 }
 
 /// One chat message.
@@ -45,7 +46,28 @@ impl TextTokenizer {
             path: path.clone(),
             msg: e.to_string(),
         })?;
-        Ok(Self { inner, path })
+        // UTF-8 length of the longest vocabulary string: at least as many
+        // bytes as its token stands for (a byte-level BPE spells one byte as
+        // one or two UTF-8 bytes, SentencePiece a space as three).
+        let longest_token_bytes = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        Ok(Self {
+            inner,
+            path,
+            longest_token_bytes,
+        })
+    }
+
+    /// Bytes of text one token can stand for at most (an upper bound): a
+    /// text of `n` bytes has at least `n / longest_token_bytes()` tokens,
+    /// which lets a server refuse an over-long prompt before tokenizing it.
+    pub fn longest_token_bytes(&self) -> usize {
+        self.longest_token_bytes
     }
 
     /// Token ids of `text` (special-token strings in it are recognised).

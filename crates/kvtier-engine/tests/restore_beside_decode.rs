@@ -42,6 +42,7 @@ fn engine(model: &Path, remote: Option<&str>) -> Engine {
 fn submit(s: &Scheduler, prompt: Vec<u32>, max_tokens: usize) -> mpsc::Receiver<GenerateEvent> {
     let (tx, rx) = mpsc::channel();
     assert!(s.submit(GenerateRequest {
+        salt: Vec::new(),
         prompt,
         max_tokens,
         sampling: SamplingParams::default(),

@@ -26,6 +26,7 @@ fn engine(dir: &std::path::Path) -> Engine {
 fn run_one(s: &Scheduler, prompt: Vec<u32>, max_tokens: usize) -> mpsc::Receiver<GenerateEvent> {
     let (tx, rx) = mpsc::channel();
     assert!(s.submit(GenerateRequest {
+        salt: Vec::new(),
         prompt,
         max_tokens,
         sampling: SamplingParams::default(),
@@ -95,6 +96,7 @@ fn stop_tokens_end_generation_and_bad_prompts_fail_alone() {
     // Stop on the third generated token: only two are emitted.
     let (tx, rx) = mpsc::channel();
     s.submit(GenerateRequest {
+        salt: Vec::new(),
         prompt: prompt.clone(),
         max_tokens: 8,
         sampling: SamplingParams::default(),

@@ -93,6 +93,17 @@ impl ApiError {
     /// Maps an axum JSON extractor rejection (the status axum chose, except
     /// that a body that does not fit the schema is 400 as in OpenAI's API).
     pub fn from_json_rejection(r: JsonRejection) -> Self {
+        if body_timed_out(&r) {
+            return Self {
+                status: StatusCode::REQUEST_TIMEOUT,
+                message: "the request body paused longer than the server waits \
+                          (--header-timeout-ms); send it whole"
+                    .into(),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("request_timeout"),
+            };
+        }
         let (status, code) = match &r {
             JsonRejection::JsonDataError(_) => (StatusCode::BAD_REQUEST, "invalid_request_body"),
             JsonRejection::JsonSyntaxError(_) => (StatusCode::BAD_REQUEST, "invalid_json"),
@@ -191,4 +202,17 @@ pub async fn method_not_allowed(req: Request) -> ApiError {
         param: None,
         code: Some("method_not_allowed"),
     }
+}
+
+/// True when reading the body failed because tower-http's body timeout
+/// ([`crate::conn_limits::ConnLimits::header_timeout`]) fired.
+fn body_timed_out(r: &JsonRejection) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(e) = cause {
+        if e.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }

@@ -3,11 +3,13 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvtier_engine::scheduler::Scheduler;
 use kvtier_engine::tokenizer::TextTokenizer;
 
+use crate::auth::ApiKeys;
+use crate::conn_limits::{ConnLimits, InFlight};
 use crate::server_metrics::ServerMetrics;
 
 /// Request limits.
@@ -38,6 +40,12 @@ pub struct AppState {
     pub chat_stop_tokens: Vec<u32>,
     /// Metrics.
     pub metrics: Arc<ServerMetrics>,
+    /// The accepted API keys (`None`: an open server, one default tenant).
+    pub api_keys: Option<Arc<ApiKeys>>,
+    /// Requests in flight and their cap.
+    pub in_flight: Arc<InFlight>,
+    /// Longest pause between two pieces of a request body.
+    pub body_timeout: Duration,
     next_id: AtomicU64,
 }
 
@@ -67,9 +75,32 @@ impl AppState {
             limits,
             stop_tokens,
             chat_stop_tokens,
-            metrics,
+            metrics: metrics.clone(),
+            api_keys: None,
+            in_flight: Arc::new(InFlight::new(
+                ConnLimits::default().max_in_flight,
+                metrics.http_in_flight.clone(),
+            )),
+            body_timeout: ConnLimits::default().header_timeout,
             next_id: AtomicU64::new(1),
         }
+    }
+
+    /// The state with `limits`' cap on requests in flight and its pause
+    /// limit on request bodies.
+    pub fn with_conn_limits(mut self, limits: ConnLimits) -> Self {
+        self.in_flight = Arc::new(InFlight::new(
+            limits.max_in_flight,
+            self.metrics.http_in_flight.clone(),
+        ));
+        self.body_timeout = limits.header_timeout;
+        self
+    }
+
+    /// The state with `keys` required on every endpoint but `/health`.
+    pub fn with_api_keys(mut self, keys: Option<ApiKeys>) -> Self {
+        self.api_keys = keys.map(Arc::new);
+        self
     }
 
     /// A fresh response id with `prefix` (`cmpl`, `chatcmpl`).

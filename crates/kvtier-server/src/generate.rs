@@ -82,6 +82,7 @@ impl Generation {
             sampling,
             stop_strings,
             stop_tokens,
+            salt,
             ..
         } = plan;
         let submitted = state.scheduler.submit(GenerateRequest {
@@ -89,6 +90,7 @@ impl Generation {
             max_tokens,
             sampling,
             stop_tokens,
+            salt,
             events: EventSink::new(move |event| tx.send(event).is_ok()),
         });
         if !submitted {

@@ -27,6 +27,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use crate::app_state::{AppState, Limits};
+use crate::auth::ApiKeys;
+use crate::conn_limits::{self, ConnLimits};
 use crate::routes;
 use crate::serve_error::ServeError;
 use crate::serve_options::{ServeOptions, default_pool_pages};
@@ -181,12 +183,19 @@ pub fn start(opts: ServeOptions) -> Result<RunningServer, ServeError> {
         listener,
         addr,
         router,
+        limits,
         scheduler,
         summary,
     } = ready;
-    let task = rt.spawn(serve_until(listener, router, scheduler, async move {
-        notify.notified().await;
-    }));
+    let task = rt.spawn(serve_until(
+        listener,
+        router,
+        limits,
+        scheduler,
+        async move {
+            notify.notified().await;
+        },
+    ));
     Ok(RunningServer {
         addr,
         summary,
@@ -286,6 +295,7 @@ struct Ready {
     listener: TcpListener,
     addr: SocketAddr,
     router: Router,
+    limits: ConnLimits,
     scheduler: Arc<Scheduler>,
     summary: ServerSummary,
 }
@@ -329,6 +339,8 @@ fn store_options(opts: &ServeOptions) -> Result<Option<StoreOptions>, ServeError
 
 /// Everything up to serving (see the module docs for the order).
 async fn prepare(opts: ServeOptions) -> Result<Ready, ServeError> {
+    // Keys first: a bad keys file fails before the model is read.
+    let api_keys = ApiKeys::load(&opts.api_keys, opts.api_keys_file.as_deref())?;
     let dir = opts.model.clone();
     if !dir.is_dir() {
         return Err(ServeError::Invalid(format!(
@@ -440,23 +452,28 @@ async fn prepare(opts: ServeOptions) -> Result<Ready, ServeError> {
         .map_err(|e| ServeError::io("cannot start the scheduler thread", e))?,
     );
     let metrics = Arc::new(ServerMetrics::new(store_metrics));
-    let state = Arc::new(AppState::new(
-        model_name,
-        Arc::new(tokenizer),
-        scheduler.clone(),
-        Limits {
-            context_tokens: context,
-            max_prompt_tokens,
-        },
-        stop_tokens,
-        metrics,
-    ));
+    let state = Arc::new(
+        AppState::new(
+            model_name,
+            Arc::new(tokenizer),
+            scheduler.clone(),
+            Limits {
+                context_tokens: context,
+                max_prompt_tokens,
+            },
+            stop_tokens,
+            metrics,
+        )
+        .with_api_keys(api_keys)
+        .with_conn_limits(opts.conn_limits),
+    );
     let max_body = usize::try_from(opts.max_body_bytes).unwrap_or(usize::MAX);
     let router = routes::router(state, max_body);
     Ok(Ready {
         listener,
         addr: bound,
         router,
+        limits: opts.conn_limits,
         scheduler,
         summary,
     })
@@ -468,13 +485,11 @@ async fn prepare(opts: ServeOptions) -> Result<Ready, ServeError> {
 async fn serve_until(
     listener: TcpListener,
     router: Router,
+    limits: ConnLimits,
     scheduler: Arc<Scheduler>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| ServeError::io("the HTTP server failed", e))?;
+    conn_limits::serve(listener, router, limits, shutdown).await;
 
     eprintln!("shutting down: requests finished, flushing the KV cache");
     let t0 = Instant::now();

@@ -37,6 +37,8 @@
 
 pub mod api_error;
 pub mod app_state;
+pub mod auth;
+pub mod conn_limits;
 pub mod generate;
 pub mod launch;
 pub mod openai;

@@ -39,6 +39,9 @@ pub struct CommonParams {
     pub stream_options: Option<StreamOptions>,
     /// Choices to generate (only 1 is served).
     pub n: Option<i64>,
+    /// vLLM's prefix-cache salt: requests share cached KV only with the
+    /// same `cache_salt` (within their tenant).
+    pub cache_salt: Option<String>,
 }
 
 /// `POST /v1/completions`.

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use kvtier_store::RemoteConfig;
 
+use crate::conn_limits::ConnLimits;
+
 /// Most bytes of G1 pages allotted when [`ServeOptions::pool_pages`] is not
 /// given.
 pub const DEFAULT_POOL_BYTES: u64 = 2 << 30;
@@ -60,6 +62,14 @@ pub struct ServeOptions {
     /// Tenant salt mixed into every block key, so one tenant's prefixes are
     /// invisible to another's (default: empty).
     pub tenant_salt: String,
+    /// Open connections, header/idle time limit, requests in flight
+    /// (default: [`ConnLimits::default`]).
+    pub conn_limits: ConnLimits,
+    /// Accepted API keys, each its own tenant (default: none).
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one per line, `KEY` or `KEY TENANT` (default:
+    /// none). With no key at all the server is open ([`crate::auth`]).
+    pub api_keys_file: Option<PathBuf>,
     /// The shared G4 pool (default: none).
     pub remote: Option<RemoteConfig>,
     /// Where the model runs: `cpu`, or `cuda` / `cuda:N` in a build with the
@@ -88,6 +98,9 @@ impl Default for ServeOptions {
             max_wait: Duration::ZERO,
             prefix_reuse: true,
             tenant_salt: String::new(),
+            conn_limits: ConnLimits::default(),
+            api_keys: Vec::new(),
+            api_keys_file: None,
             remote: None,
             device: "cpu".into(),
             max_body_bytes: 4 << 20,

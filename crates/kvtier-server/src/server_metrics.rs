@@ -47,6 +47,9 @@ pub struct ServerMetrics {
     pub generated_tokens: Counter,
     /// Generations running now.
     pub in_flight: Gauge,
+    /// Requests to the generating endpoints inside the in-flight cap (a
+    /// stream until its last event; [`crate::conn_limits`]).
+    pub http_in_flight: Gauge,
 }
 
 impl ServerMetrics {
@@ -68,6 +71,7 @@ impl ServerMetrics {
             restored_bytes: Counter::default(),
             generated_tokens: Counter::default(),
             in_flight: Gauge::default(),
+            http_in_flight: Gauge::default(),
         };
         let register = |r: &mut Registry| {
             let s = r.sub_registry_with_prefix("kvtier_server");
@@ -110,6 +114,12 @@ impl ServerMetrics {
                 "requests_in_flight",
                 "Generations running now",
                 m.in_flight.clone(),
+            );
+            s.register(
+                "http_in_flight",
+                "Requests to the generating endpoints being handled now (streams until their \
+                 last event), against --max-in-flight",
+                m.http_in_flight.clone(),
             );
         };
         match &m.sink {

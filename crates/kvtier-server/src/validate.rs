@@ -29,6 +29,17 @@ pub struct Plan {
     pub stream: bool,
     /// Send a usage chunk at the end of the stream.
     pub include_usage: bool,
+    /// The salt of its block keys (tenant and `cache_salt`,
+    /// [`crate::auth::request_salt`]).
+    pub salt: Vec<u8>,
+}
+
+impl Plan {
+    /// The plan with its block keys salted by `salt`.
+    pub fn salted(mut self, salt: Vec<u8>) -> Self {
+        self.salt = salt;
+        self
+    }
 }
 
 /// Which API the request came through.
@@ -146,7 +157,28 @@ pub fn chat_prompt(
     encode(state, &text, "messages")
 }
 
+/// Tokenizes `text`, first refusing one too long to fit without tokenizing
+/// it: `n` bytes are at least `n / longest_token_bytes` tokens, so past
+/// `max_prompt_tokens x longest_token_bytes` bytes the prompt is over the
+/// limit whatever it says (a 4 MB prompt used to take 1.4 s and 620 MB to
+/// tokenize before its 400). Decision: a tokenizer whose normalizer deletes
+/// text could have fitted such a prompt; it is refused all the same. Call
+/// it off the async workers ([`crate::routes`] does).
 fn encode(state: &AppState, text: &str, param: &'static str) -> Result<Vec<u32>, ApiError> {
+    let max_prompt_tokens = state.limits.max_prompt_tokens;
+    let max_bytes = max_prompt_tokens.saturating_mul(state.tokenizer.longest_token_bytes());
+    if text.len() > max_bytes {
+        return Err(ApiError::invalid(
+            format!(
+                "the {param} is {} bytes, more than {max_prompt_tokens} tokens can hold \
+                 ({max_bytes} bytes at most with this tokenizer); this server accepts at \
+                 most {max_prompt_tokens} prompt tokens",
+                text.len()
+            ),
+            Some(param),
+        )
+        .with_code("context_length_exceeded"));
+    }
     state
         .tokenizer
         .encode(text)
@@ -260,6 +292,7 @@ pub fn plan(
         stop_tokens,
         stream,
         include_usage: stream && p.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        salt: Vec::new(),
     })
 }
 

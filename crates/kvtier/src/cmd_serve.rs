@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::Args;
 use kvtier_server::ServeOptions;
+use kvtier_server::conn_limits::ConnLimits;
 
 use kvtier_bench::size::parse_size;
 
@@ -105,6 +106,17 @@ pub struct ServeArgs {
     #[arg(long, value_name = "TEXT", default_value = "")]
     pub tenant_salt: String,
 
+    /// An accepted API key (repeatable; each key its own tenant): clients
+    /// send `Authorization: Bearer KEY` on every endpoint but /health,
+    /// others get 401. No key at all: the server is open.
+    #[arg(long = "api-key", value_name = "KEY")]
+    pub api_key: Vec<String>,
+
+    /// A file of API keys, one per line: `KEY` or `KEY TENANT` (keys of one
+    /// tenant share its cached prefixes; tenants never see each other's).
+    #[arg(long, value_name = "FILE")]
+    pub api_keys_file: Option<PathBuf>,
+
     /// The shared G4 pool.
     #[command(flatten)]
     pub remote: RemoteFlags,
@@ -117,6 +129,24 @@ pub struct ServeArgs {
     /// Largest request body accepted (larger ones get 413).
     #[arg(long, value_name = "SIZE", default_value = "4MiB", value_parser = parse_size)]
     pub max_body_bytes: u64,
+
+    /// Connections open at once; one more gets a 503 and is closed (keep it
+    /// below the process's descriptor limit, `ulimit -n`).
+    #[arg(long, value_name = "N", default_value_t = 512,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+
+    /// Longest wait, in milliseconds, for a request's headers; also how
+    /// long an idle keep-alive connection stays open.
+    #[arg(long, value_name = "MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_timeout_ms: u64,
+
+    /// Requests handled at once (streams until their last event); one
+    /// more gets a 503.
+    #[arg(long, value_name = "N", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_in_flight: u32,
 }
 
 impl ServeArgs {
@@ -150,9 +180,16 @@ impl ServeArgs {
             max_wait: Duration::from_millis(self.max_wait_ms),
             prefix_reuse: !self.no_prefix_reuse,
             tenant_salt: self.tenant_salt.clone(),
+            api_keys: self.api_key.clone(),
+            api_keys_file: self.api_keys_file.clone(),
             remote: self.remote.config(),
             device: self.device.clone(),
             max_body_bytes: self.max_body_bytes,
+            conn_limits: ConnLimits {
+                max_connections: self.max_connections as usize,
+                header_timeout: Duration::from_millis(self.header_timeout_ms),
+                max_in_flight: self.max_in_flight as usize,
+            },
         }
     }
 }

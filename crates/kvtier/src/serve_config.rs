@@ -33,6 +33,8 @@ struct Key {
     long: String,
     /// A switch (no value).
     switch: bool,
+    /// Repeatable (`--api-key`): a file may give a list of strings.
+    repeat: bool,
     help: String,
     default: Option<String>,
 }
@@ -63,9 +65,11 @@ fn serve_keys() -> Vec<Key> {
                 return None;
             }
             let switch = matches!(a.get_action(), ArgAction::SetTrue);
+            let repeat = matches!(a.get_action(), ArgAction::Append);
             Some(Key {
                 long,
                 switch,
+                repeat,
                 help: a
                     .get_long_help()
                     .or(a.get_help())
@@ -109,7 +113,7 @@ fn config_flag(raw: &[OsString]) -> Option<OsString> {
 }
 
 /// The file's keys as flag values (strings), checked against `keys`.
-fn read_file(path: &Path, keys: &[Key]) -> Result<BTreeMap<String, String>> {
+fn read_file(path: &Path, keys: &[Key]) -> Result<BTreeMap<String, Vec<String>>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read the config file {}", path.display()))?;
     let table: toml::Table = text
@@ -126,23 +130,36 @@ fn read_file(path: &Path, keys: &[Key]) -> Result<BTreeMap<String, String>> {
                 known.join(", ")
             );
         };
-        let value = match v {
-            toml::Value::String(s) => s,
-            toml::Value::Integer(i) => i.to_string(),
-            toml::Value::Float(f) => f.to_string(),
-            toml::Value::Boolean(b) if key.switch => b.to_string(),
+        let values = match v {
+            toml::Value::String(s) => vec![s],
+            toml::Value::Integer(i) => vec![i.to_string()],
+            toml::Value::Float(f) => vec![f.to_string()],
+            toml::Value::Boolean(b) if key.switch => vec![b.to_string()],
+            toml::Value::Array(items) if key.repeat => items
+                .into_iter()
+                .map(|item| match item {
+                    toml::Value::String(s) => Ok(s),
+                    other => bail!(
+                        "config file {}: key {k:?} takes strings, not {}",
+                        path.display(),
+                        other.type_str()
+                    ),
+                })
+                .collect::<Result<_>>()?,
             other => bail!(
                 "config file {}: key {k:?} takes {}, not {}",
                 path.display(),
                 if key.switch {
                     "true or false"
+                } else if key.repeat {
+                    "a string or a list of strings"
                 } else {
                     "a string or a number"
                 },
                 other.type_str()
             ),
         };
-        out.insert(name, value);
+        out.insert(name, values);
     }
     Ok(out)
 }
@@ -203,17 +220,19 @@ pub fn expand_args(
         if given(&raw, &key.long, &aliases(&key.long)) {
             continue;
         }
-        let (value, from) = match (env(&key.env()), file.get(&key.name())) {
-            (Some(v), _) => (v, key.env()),
+        let (values, from) = match (env(&key.env()), file.get(&key.name())) {
+            (Some(v), _) => (vec![v], key.env()),
             (None, Some(v)) => (v.clone(), format!("the config file's {}", key.name())),
             (None, None) => continue,
         };
-        if key.switch {
-            if switch_on(&value).with_context(|| from.clone())? {
-                injected.push(format!("--{}", key.long).into());
+        for value in values {
+            if key.switch {
+                if switch_on(&value).with_context(|| from.clone())? {
+                    injected.push(format!("--{}", key.long).into());
+                }
+            } else {
+                injected.push(format!("--{}={value}", key.long).into());
             }
-        } else {
-            injected.push(format!("--{}={value}", key.long).into());
         }
     }
     let mut out = argv[..=at].to_vec();
@@ -276,6 +295,7 @@ fn wrap(line: &str, width: usize) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
+    use std::time::Duration;
 
     use clap::Parser;
 
@@ -349,6 +369,46 @@ mod tests {
             parse(&["kvtier", "serve", "--config", "/no/such.toml"], &[]).unwrap_err()
         );
         assert!(err.contains("/no/such.toml"), "{err}");
+    }
+
+    #[test]
+    fn a_repeatable_key_takes_a_list_and_connection_bounds_reach_the_options() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("kvtier.toml");
+        std::fs::write(
+            &file,
+            "model = \"m\"\napi_key = [\"k1\", \"k2\"]\nmax_connections = 7\n\
+             header_timeout_ms = 250\nmax_in_flight = 3\n",
+        )
+        .unwrap();
+        let f = file.to_str().unwrap();
+        let o = parse(&["kvtier", "serve", "--config", f], &[])
+            .unwrap()
+            .options();
+        assert_eq!(o.api_keys, ["k1", "k2"]);
+        assert_eq!(o.conn_limits.max_connections, 7);
+        assert_eq!(o.conn_limits.header_timeout, Duration::from_millis(250));
+        assert_eq!(o.conn_limits.max_in_flight, 3);
+        // The environment's one key replaces the file's list.
+        let o = parse(
+            &["kvtier", "serve", "--config", f],
+            &[("KVTIER_API_KEY", "k9")],
+        )
+        .unwrap()
+        .options();
+        assert_eq!(o.api_keys, ["k9"]);
+        // A list of numbers, or a list for a key that is not repeatable, is refused.
+        for (text, needle) in [
+            ("api_key = [1]\n", "takes strings"),
+            ("port = [\"1\"]\n", "takes a string or a number"),
+        ] {
+            std::fs::write(&file, text).unwrap();
+            let err = format!(
+                "{:#}",
+                parse(&["kvtier", "serve", "--config", f, "--model", "m"], &[]).unwrap_err()
+            );
+            assert!(err.contains(needle), "{text:?}: {err}");
+        }
     }
 
     #[test]
