@@ -27,7 +27,7 @@ pub mod verify;
 mod workers;
 
 pub use block::{BlockBuf, BlockError};
-pub use disk::{DiskConfig, DiskError, DiskTier};
+pub use disk::{DiskConfig, DiskError, DiskTier, Recovery};
 pub use handle::Handle;
 pub use key::{BlockKey, KeyChain, ModelFingerprint};
 pub use kv_layout::{Arrangement, KvDtype, KvLayout, LayoutError, Part, TpShard};

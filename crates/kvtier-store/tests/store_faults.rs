@@ -114,7 +114,9 @@ fn a_corrupt_block_asked_for_twice_in_one_read_counts_once() {
 }
 
 #[test]
-fn a_flipped_header_byte_drops_the_block_at_open() {
+fn a_flipped_header_byte_is_a_miss_counted_once_and_its_slot_reused() {
+    // With the saved index the open does not read the slot: the block is
+    // indexed until its first read, which rejects it.
     let dir = tempfile::tempdir().unwrap();
     let ks = keys(0..8);
     let bad = ks[5];
@@ -123,6 +125,46 @@ fn a_flipped_header_byte_drops_the_block_at_open() {
     flip_byte(path, off + 12); // inside the key field
 
     let store = open(config(dir.path()));
+    assert!(matches!(
+        store.disk().unwrap().recovery(),
+        kvtier_store::Recovery::Saved { blocks: 8, .. }
+    ));
+    let got = store.get_many(&ks);
+    assert!(
+        got[5].is_none(),
+        "a block with a flipped header byte was served"
+    );
+    assert_eq!(got.iter().flatten().count(), 7);
+    assert_eq!(store.metrics().g3.corrupt_blocks.get(), 1);
+    assert!(!store.disk().unwrap().contains(&bad));
+    let fresh = keys(100..125);
+    put(&store, &fresh);
+    store.evict_memory().unwrap();
+    assert_eq!(store.metrics().g3.evictions.get(), 0);
+    assert_eq!(store.stats().g3_blocks, 32);
+    store.close().unwrap();
+    // Its wipe was journaled: it does not come back.
+    let store = open(config(dir.path()));
+    assert!(!store.disk().unwrap().contains(&bad));
+    assert_eq!(store.stats().g3_blocks, 32);
+}
+
+#[test]
+fn a_flipped_header_byte_drops_the_block_at_a_scanning_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let ks = keys(0..8);
+    let bad = ks[5];
+    let loc = write_and_locate(dir.path(), &ks);
+    let (path, off) = &loc[&bad];
+    flip_byte(path, off + 12); // inside the key field
+    // Without the saved index the open reads every header.
+    std::fs::remove_file(slot_dir(dir.path()).join("index.kvti")).unwrap();
+
+    let store = open(config(dir.path()));
+    assert!(matches!(
+        store.disk().unwrap().recovery(),
+        kvtier_store::Recovery::Scanned { .. }
+    ));
     assert!(!store.disk().unwrap().contains(&bad));
     assert_eq!(store.stats().g3_blocks, 7);
     assert_eq!(store.lookup_prefix(&ks).hits(), 5);

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoOp};
 
+use super::saved_index::Change;
 use super::slots::Reserve;
 use super::{DiskError, DiskTier, PutOutcome};
 use crate::key::BlockKey;
@@ -46,6 +47,10 @@ impl DiskTier {
             }
         }
         if !planned.is_empty() {
+            // Taken before written: after a crash mid-write the slot is
+            // free, not indexed under what it held.
+            let taken: Vec<Change> = planned.iter().map(|&(_, s)| Change::Take(s)).collect();
+            self.journal(&taken);
             let ops = planned
                 .iter()
                 .map(|&(i, slot)| {
@@ -59,12 +64,14 @@ impl DiskTier {
                 .write_seconds
                 .observe(t.elapsed().as_secs_f64());
             let mut failed = Vec::new();
+            let mut put = Vec::new();
             let mut slots = self.slots.lock();
             for (&(i, slot), d) in planned.iter().zip(done) {
                 let key = blocks[i].0;
                 match d.result {
                     Ok(_) => {
                         slots.written(slot, key);
+                        put.push(Change::Put(slot, key));
                         self.metrics.written_bytes.inc_by(self.slot_bytes as u64);
                         results[i] = Some(Ok(PutOutcome::Written));
                     }
@@ -77,9 +84,18 @@ impl DiskTier {
                 }
             }
             self.set_occupancy(&slots);
+            let blocks_now = slots.blocks();
             drop(slots);
+            self.journal(&put);
             if !failed.is_empty() {
                 self.wipe(&failed);
+            }
+            if self
+                .saved
+                .as_ref()
+                .is_some_and(|s| s.checkpoint_due(blocks_now))
+            {
+                self.checkpoint();
             }
         }
         results
@@ -105,6 +121,8 @@ impl DiskTier {
             }
         }
         self.slots.lock().wiped(slots);
+        let freed: Vec<Change> = slots.iter().map(|&s| Change::Free(s)).collect();
+        self.journal(&freed);
     }
 
     /// Drops `key` from the index (its slot becomes free once unpinned).
@@ -115,13 +133,16 @@ impl DiskTier {
         removed
     }
 
-    /// Makes every completed write durable (`fdatasync` on each segment).
+    /// Makes every completed write durable (`fdatasync` on each segment),
+    /// then writes a checkpoint of the index (synced), so the next open
+    /// reads it instead of the slots.
     pub fn sync(&self) -> io::Result<()> {
         for files in &self.segments {
             for f in files {
                 f.sync_data()?;
             }
         }
+        self.checkpoint();
         Ok(())
     }
 }

@@ -120,6 +120,26 @@ impl SlotTable {
         self.free.push(slot);
     }
 
+    /// At open, from a saved index: `entries` are the indexed blocks
+    /// (each slot and key once, every slot in range); every other slot is
+    /// free.
+    pub(super) fn load(&mut self, entries: &[(u32, BlockKey)]) {
+        for &(slot, key) in entries {
+            self.recover(slot, key);
+        }
+        for slot in 0..self.slots.len() as u32 {
+            if self.slots[slot as usize].state != SlotState::Valid {
+                self.free.push(slot);
+            }
+        }
+        self.recovered();
+    }
+
+    /// (slot, key) of every indexed block, for a checkpoint.
+    pub(super) fn entries(&self) -> Vec<(u32, BlockKey)> {
+        self.index.iter().map(|(k, &s)| (s, *k)).collect()
+    }
+
     /// At open, once every slot was seen: hand out low slots first.
     pub(super) fn recovered(&mut self) {
         self.free.reverse();
