@@ -288,6 +288,17 @@ impl Engine {
         self.pool.free_pages() + self.g1.idle_pages()
     }
 
+    /// G1 pages in all.
+    pub fn total_pages(&self) -> usize {
+        self.pool.pages()
+    }
+
+    /// G1 pages that hold a cached prefix no running sequence uses (kept
+    /// for reuse, reclaimed when pages run out).
+    pub fn cached_pages(&self) -> usize {
+        self.g1.idle_pages()
+    }
+
     /// Drops every idle cached G1 page, so later prompts must come from the
     /// store (or be recomputed). Pages of live sequences stay.
     pub fn evict_g1(&mut self) {

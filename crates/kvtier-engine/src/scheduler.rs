@@ -32,6 +32,8 @@
 //! finished at the next step.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -209,6 +211,61 @@ enum Msg {
 pub struct Scheduler {
     tx: Sender<Msg>,
     handle: Option<JoinHandle<Engine>>,
+    stats: Arc<SchedulerStats>,
+}
+
+/// What the scheduler thread holds, as it last published it (at the top of
+/// each round, so at most one step old), for metrics.
+#[derive(Debug, Default)]
+pub struct SchedulerStats {
+    queued: AtomicUsize,
+    restoring: AtomicUsize,
+    running: AtomicUsize,
+    g1_pages: AtomicUsize,
+    g1_free: AtomicUsize,
+    g1_cached: AtomicUsize,
+}
+
+/// A copy of [`SchedulerStats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SchedulerSnapshot {
+    /// Requests waiting to be admitted.
+    pub queued: usize,
+    /// Admitted sequences waiting for their store reads.
+    pub restoring: usize,
+    /// Sequences computing (prefill chunks or decoding).
+    pub running: usize,
+    /// G1 pages in all.
+    pub g1_pages: usize,
+    /// G1 pages free, counting cached ones that can be reclaimed.
+    pub g1_free: usize,
+    /// G1 pages holding cached prefixes no sequence uses.
+    pub g1_cached: usize,
+}
+
+impl SchedulerStats {
+    fn publish(&self, q: &Queues, engine: &Engine) {
+        let r = Ordering::Relaxed;
+        self.queued.store(q.queue.len(), r);
+        self.restoring.store(q.restoring.len(), r);
+        self.running.store(q.active.len(), r);
+        self.g1_pages.store(engine.total_pages(), r);
+        self.g1_free.store(engine.free_pages(), r);
+        self.g1_cached.store(engine.cached_pages(), r);
+    }
+
+    /// The values now.
+    pub fn snapshot(&self) -> SchedulerSnapshot {
+        let r = Ordering::Relaxed;
+        SchedulerSnapshot {
+            queued: self.queued.load(r),
+            restoring: self.restoring.load(r),
+            running: self.running.load(r),
+            g1_pages: self.g1_pages.load(r),
+            g1_free: self.g1_free.load(r),
+            g1_cached: self.g1_cached.load(r),
+        }
+    }
 }
 
 impl std::fmt::Debug for Msg {
@@ -226,13 +283,22 @@ impl Scheduler {
     pub fn start(engine: Engine, cfg: BatchConfig) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel();
         let wake = tx.clone();
+        let stats = Arc::new(SchedulerStats::default());
+        stats.publish(&Queues::default(), &engine);
+        let published = stats.clone();
         let handle = std::thread::Builder::new()
             .name("kvtier-scheduler".into())
-            .spawn(move || run(engine, cfg, &rx, &wake))?;
+            .spawn(move || run(engine, cfg, &rx, &wake, &published))?;
         Ok(Self {
             tx,
             handle: Some(handle),
+            stats,
         })
+    }
+
+    /// The queue depths and G1 use the scheduler thread publishes.
+    pub fn stats(&self) -> &Arc<SchedulerStats> {
+        &self.stats
     }
 
     /// Queues a request; its events go to its [`EventSink`]. False if
@@ -291,7 +357,13 @@ impl Queues {
     }
 }
 
-fn run(mut engine: Engine, cfg: BatchConfig, rx: &Receiver<Msg>, wake: &Sender<Msg>) -> Engine {
+fn run(
+    mut engine: Engine,
+    cfg: BatchConfig,
+    rx: &Receiver<Msg>,
+    wake: &Sender<Msg>,
+    stats: &SchedulerStats,
+) -> Engine {
     let max_batch = cfg.max_batch.max(1);
     let mut q = Queues {
         open: true,
@@ -299,6 +371,7 @@ fn run(mut engine: Engine, cfg: BatchConfig, rx: &Receiver<Msg>, wake: &Sender<M
     };
     loop {
         offload(&mut engine);
+        stats.publish(&q, &engine);
         // Gather arrivals.
         if q.running() == 0 && q.queue.is_empty() {
             if !q.open {

@@ -66,6 +66,8 @@ pub struct Generation {
     pub started: Started,
     pending: VecDeque<Piece>,
     last_token: Instant,
+    /// When the HTTP request arrived (for the end-to-end latency).
+    arrived: Instant,
     tokens: usize,
     done: bool,
 }
@@ -136,6 +138,7 @@ impl Generation {
             started,
             pending: VecDeque::new(),
             last_token: Instant::now(),
+            arrived,
             tokens: 0,
             done: false,
         })
@@ -263,6 +266,11 @@ impl Generation {
     }
 
     fn end(&mut self, reason: &'static str) {
+        if !self.done {
+            self.metrics
+                .request_seconds
+                .observe(self.arrived.elapsed().as_secs_f64());
+        }
         self.pending.push_back(Piece::Finished(Finish {
             reason,
             completion_tokens: self.tokens,

@@ -262,6 +262,9 @@ async fn health(State(state): State<Shared>) -> Json<serde_json::Value> {
 async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> Response {
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
     let format = MetricsFormat::from_accept(accept);
+    state
+        .metrics
+        .observe_scheduler(state.scheduler.stats().snapshot());
     (
         [(header::CONTENT_TYPE, format.content_type())],
         state.metrics.render(format),

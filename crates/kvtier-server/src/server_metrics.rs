@@ -9,6 +9,7 @@
 use std::sync::{Arc, Mutex};
 
 use kvtier_engine::CachedTokens;
+use kvtier_engine::scheduler::SchedulerSnapshot;
 use kvtier_store::{MetricsFormat, StoreMetrics};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -50,6 +51,12 @@ pub struct ServerMetrics {
     /// Requests to the generating endpoints inside the in-flight cap (a
     /// stream until its last event; [`crate::conn_limits`]).
     pub http_in_flight: Gauge,
+    /// Seconds from a request's arrival to its last token.
+    pub request_seconds: Histogram,
+    /// The scheduler's queues, by state (`queued`, `restoring`, `running`).
+    pub sequences: Family<Labels, Gauge>,
+    /// G1 pages by use (`in_use`, `cached`, `free`).
+    pub g1_pages: Family<Labels, Gauge>,
 }
 
 impl ServerMetrics {
@@ -72,6 +79,10 @@ impl ServerMetrics {
             generated_tokens: Counter::default(),
             in_flight: Gauge::default(),
             http_in_flight: Gauge::default(),
+            // 10 ms .. ~328 s
+            request_seconds: Histogram::new(exponential_buckets(1e-2, 2.0, 16)),
+            sequences: Family::default(),
+            g1_pages: Family::default(),
         };
         let register = |r: &mut Registry| {
             let s = r.sub_registry_with_prefix("kvtier_server");
@@ -121,6 +132,23 @@ impl ServerMetrics {
                  last event), against --max-in-flight",
                 m.http_in_flight.clone(),
             );
+            s.register(
+                "request_seconds",
+                "End-to-end latency: request arrival to its last generated token",
+                m.request_seconds.clone(),
+            );
+            s.register(
+                "sequences",
+                "Sequences in the scheduler by state: queued (not admitted), restoring \
+                 (waiting for store reads), running (computing)",
+                m.sequences.clone(),
+            );
+            s.register(
+                "g1_pages",
+                "G1 (engine KV pool) pages by use: in_use (running sequences), cached \
+                 (idle prefixes kept for reuse), free",
+                m.g1_pages.clone(),
+            );
         };
         match &m.sink {
             Sink::Store(s) => s.with_registry(register),
@@ -162,6 +190,25 @@ impl ServerMetrics {
                 .inc_by(n as u64);
         }
         self.restored_bytes.inc_by(restored);
+    }
+
+    /// Copies the scheduler's published queue depths and G1 use into
+    /// their gauges (called before each render).
+    pub fn observe_scheduler(&self, s: SchedulerSnapshot) {
+        let set = |f: &Family<Labels, Gauge>, name: &str, v: usize| {
+            f.get_or_create(&vec![("state", name.to_string())])
+                .set(i64::try_from(v).unwrap_or(i64::MAX));
+        };
+        set(&self.sequences, "queued", s.queued);
+        set(&self.sequences, "restoring", s.restoring);
+        set(&self.sequences, "running", s.running);
+        let in_use = s.g1_pages.saturating_sub(s.g1_free);
+        let free = s.g1_free.saturating_sub(s.g1_cached);
+        for (name, v) in [("in_use", in_use), ("cached", s.g1_cached), ("free", free)] {
+            self.g1_pages
+                .get_or_create(&vec![("use", name.to_string())])
+                .set(i64::try_from(v).unwrap_or(i64::MAX));
+        }
     }
 
     /// Every metric (store and server) in `format`.

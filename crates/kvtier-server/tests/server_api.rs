@@ -222,6 +222,34 @@ fn metrics_show_ttft_histogram_and_store_series() {
 }
 
 #[test]
+fn metrics_show_the_scheduler_queues_g1_pages_and_end_to_end_latency() {
+    let s = Server::start(|o| o.pool_pages = Some(64));
+    // Three blocks of 16 tokens and more: their pages stay cached in G1.
+    complete(
+        &s,
+        json!({"model": "tiny", "prompt": long_prompt(60), "max_tokens": 3, "temperature": 0}),
+    );
+    complete(
+        &s,
+        json!({"model": "tiny", "prompt": "short", "max_tokens": 2, "temperature": 0}),
+    );
+    let text = s.get("/metrics").text();
+    assert_eq!(metric(&text, "kvtier_server_request_seconds_count"), 2.0);
+    // Idle: nothing queued, restoring or running; no page in use.
+    for state in ["queued", "restoring", "running"] {
+        let name = format!("kvtier_server_sequences{{state=\"{state}\"}}");
+        assert_eq!(metric(&text, &name), 0.0, "{name}");
+    }
+    let page = |u: &str| metric(&text, &format!("kvtier_server_g1_pages{{use=\"{u}\"}}"));
+    assert_eq!(page("in_use"), 0.0);
+    assert!(
+        page("cached") >= 3.0,
+        "the long prompt's blocks are cached in G1"
+    );
+    assert_eq!(page("in_use") + page("cached") + page("free"), 64.0);
+}
+
+#[test]
 fn models_and_health() {
     let s = Server::start(|_| ());
     let v = s.get("/v1/models").json();
