@@ -376,6 +376,12 @@ impl SavedIndex {
     /// scans) and the index is kept in memory only until a checkpoint
     /// succeeds.
     pub(super) fn start(dir: &Path, shape: Shape, epoch: u64, entries: &[(u32, BlockKey)]) -> Self {
+        // Past every journal on disk (one a failed cleanup left behind after
+        // a scan must never be replayed over this checkpoint).
+        let epoch = match journal_epochs(dir).ok().and_then(|e| e.last().copied()) {
+            Some(newest) => epoch.max(newest.saturating_add(1)),
+            None => epoch,
+        };
         let saved = Self {
             dir: dir.to_path_buf(),
             shape,
@@ -558,6 +564,23 @@ mod tests {
         assert!(load(dir.path(), shape()).unwrap_err().contains("torn"));
         std::fs::remove_file(&ipath).unwrap();
         assert!(load(dir.path(), shape()).is_err());
+    }
+
+    #[test]
+    fn a_checkpoint_after_a_scan_outnumbers_a_journal_left_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        // A journal of epoch 9 whose checkpoint is gone (a failed cleanup).
+        let s = SavedIndex::start(dir.path(), shape(), 9, &[]);
+        s.append(&[Change::Put(1, k(1))]);
+        drop(s);
+        std::fs::remove_file(dir.path().join(INDEX_FILE)).unwrap();
+        // The open scanned and starts over at epoch 1: it must not replay 9.
+        let s = SavedIndex::start(dir.path(), shape(), 1, &[(2, k(2))]);
+        drop(s);
+        let l = load(dir.path(), shape()).unwrap();
+        assert_eq!(l.entries, vec![(2, k(2))]);
+        assert_eq!(l.epoch, 10);
+        assert_eq!(journal_epochs(dir.path()).unwrap(), vec![10]);
     }
 
     #[test]
