@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvtier_engine::scheduler::Scheduler;
 use kvtier_engine::tokenizer::TextTokenizer;
+use tokio::sync::Semaphore;
 
 use crate::auth::ApiKeys;
 use crate::conn_limits::{ConnLimits, InFlight};
@@ -46,6 +47,9 @@ pub struct AppState {
     pub in_flight: Arc<InFlight>,
     /// Longest pause between two pieces of a request body.
     pub body_timeout: Duration,
+    /// Turns to check and tokenize a request, one per core
+    /// ([`crate::routes`]).
+    pub checks: Arc<Semaphore>,
     next_id: AtomicU64,
 }
 
@@ -82,6 +86,9 @@ impl AppState {
                 metrics.http_in_flight.clone(),
             )),
             body_timeout: ConnLimits::default().header_timeout,
+            checks: Arc::new(Semaphore::new(
+                std::thread::available_parallelism().map_or(1, usize::from),
+            )),
             next_id: AtomicU64::new(1),
         }
     }

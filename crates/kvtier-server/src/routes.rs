@@ -86,7 +86,7 @@ async fn completions(
 ) -> Response {
     let arrived = Instant::now();
     let checked = state.clone();
-    let plan = off_workers(move || {
+    let plan = off_workers(&state, move || {
         let state = checked;
         validate::check_model(&state, req.common.model.as_deref())?;
         let prompt = validate::completion_prompt(&state, req.prompt.as_ref())?;
@@ -128,7 +128,7 @@ async fn chat_completions(
 ) -> Response {
     let arrived = Instant::now();
     let checked = state.clone();
-    let plan = off_workers(move || {
+    let plan = off_workers(&state, move || {
         let state = checked;
         validate::check_model(&state, req.common.model.as_deref())?;
         let prompt = validate::chat_prompt(&state, req.messages.as_deref())?;
@@ -169,16 +169,19 @@ async fn chat_completions(
 /// Runs a request's checks, its chat template and its tokenizing on a
 /// blocking thread: a long prompt must not hold an async worker (16 prompts
 /// of 3.9 MB at once stalled `/health` to 1.55 s when they ran on them).
+/// At most one per core at a time ([`AppState::checks`]): tokenizing takes
+/// about 160 bytes of memory per prompt byte, so the peak stays bounded
+/// however many long prompts arrive together.
 async fn off_workers(
+    state: &AppState,
     check: impl FnOnce() -> Result<Plan, ApiError> + Send + 'static,
 ) -> Result<Plan, ApiError> {
+    let failed =
+        |e: &dyn std::fmt::Display| ApiError::internal(format!("checking the request failed: {e}"));
+    let _turn = state.checks.acquire().await.map_err(|e| failed(&e))?;
     tokio::task::spawn_blocking(check)
         .await
-        .unwrap_or_else(|e| {
-            Err(ApiError::internal(format!(
-                "checking the request failed: {e}"
-            )))
-        })
+        .unwrap_or_else(|e| Err(failed(&e)))
 }
 
 /// The whole answer to a request that is not streamed.
