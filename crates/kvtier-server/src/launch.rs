@@ -21,6 +21,7 @@ use axum::Router;
 use kvtier_engine::scheduler::{BatchConfig, Scheduler};
 use kvtier_engine::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions, open_device};
+use kvtier_store::Recovery;
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 use tokio::sync::Notify;
@@ -61,6 +62,8 @@ pub struct ServerSummary {
     pub g4: String,
     /// Whether cached KV is reused.
     pub prefix_reuse: bool,
+    /// How G3's index came back at open (`None` without G3).
+    pub g3_recovery: Option<Recovery>,
 }
 
 impl fmt::Display for ServerSummary {
@@ -78,7 +81,17 @@ impl fmt::Display for ServerSummary {
             self.cache_dir.display(),
             self.g4,
             if self.prefix_reuse { "on" } else { "off" },
-        )
+        )?;
+        match &self.g3_recovery {
+            Some(Recovery::Saved { blocks, replayed }) => write!(
+                f,
+                "; G3 index: {blocks} blocks from its checkpoint and {replayed} journal records"
+            ),
+            Some(Recovery::Scanned { why }) => {
+                write!(f, "; G3 index: every slot scanned ({why})")
+            }
+            None => Ok(()),
+        }
     }
 }
 
@@ -439,6 +452,10 @@ async fn prepare(opts: ServeOptions) -> Result<Ready, ServeError> {
         cache_dir: opts.cache_dir.clone(),
         g4: engine_g4(store_metrics.is_some(), &opts),
         prefix_reuse: opts.prefix_reuse,
+        g3_recovery: engine
+            .store()
+            .and_then(|s| s.disk())
+            .map(|d| d.recovery().clone()),
     };
     eprintln!("{summary}");
     let scheduler = Arc::new(

@@ -250,6 +250,37 @@ fn metrics_show_the_scheduler_queues_g1_pages_and_end_to_end_latency() {
 }
 
 #[test]
+fn a_restart_reads_g3_from_its_saved_index_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    server_support::init_model(&tmp.path().join("tiny"), 0);
+    let mut a = Server::start_in(tmp.path(), |_| ());
+    // A fresh cache directory has nothing to trust: every slot is scanned.
+    assert!(
+        a.log().contains("G3 index: every slot scanned"),
+        "{}",
+        a.log()
+    );
+    complete(
+        &a,
+        json!({"model": "tiny", "prompt": long_prompt(80), "max_tokens": 2, "temperature": 0}),
+    );
+    a.shutdown();
+    let b = Server::start_in(tmp.path(), |_| ());
+    let log = b.log();
+    let blocks: usize = log
+        .split("G3 index: ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no G3 index count in {log}"));
+    assert!(blocks >= 5, "{log}");
+    assert!(
+        log.contains("blocks from its checkpoint and 0 journal records"),
+        "{log}"
+    );
+}
+
+#[test]
 fn models_and_health() {
     let s = Server::start(|_| ());
     let v = s.get("/v1/models").json();
