@@ -5,6 +5,8 @@
 //! rejections of axum's extractors (malformed JSON, wrong content type, a
 //! body over the size limit), unknown routes and wrong methods.
 
+use std::borrow::Cow;
+
 use axum::Json;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
@@ -23,7 +25,7 @@ pub struct ApiError {
     /// OpenAI's error type (`invalid_request_error`, `server_error`, ...).
     pub kind: &'static str,
     /// The request field at fault, if one is.
-    pub param: Option<&'static str>,
+    pub param: Option<Cow<'static, str>>,
     /// A machine-readable code (`model_not_found`, ...), if any.
     pub code: Option<&'static str>,
 }
@@ -35,9 +37,17 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             kind: "invalid_request_error",
-            param,
+            param: param.map(Cow::Borrowed),
             code: None,
         }
+    }
+
+    /// 400 `invalid_request_error` about the request field `field` (a name
+    /// the client sent).
+    pub fn invalid_field(message: impl Into<String>, field: &str) -> Self {
+        let mut e = Self::invalid(message, None).with_code("unsupported_field");
+        e.param = Some(Cow::Owned(field.to_string()));
+        e
     }
 
     /// The same error with a machine-readable code.
@@ -52,7 +62,7 @@ impl ApiError {
             status: StatusCode::NOT_FOUND,
             message: format!("The model `{name}` does not exist; this server serves `{served}`"),
             kind: "invalid_request_error",
-            param: Some("model"),
+            param: Some(Cow::Borrowed("model")),
             code: Some("model_not_found"),
         }
     }

@@ -1,9 +1,11 @@
 //! OpenAI API request and response bodies (the subset kvtier serves).
 //!
-//! Requests are parsed leniently: unknown fields are ignored, and fields
-//! whose type varies (`prompt`, `stop`, message `content`) are taken as raw
-//! JSON and checked by [`crate::validate`], so a wrong one gets an error
-//! naming it. Responses carry OpenAI's fields plus an additive `kvtier`
+//! Fields whose type varies (`prompt`, `stop`, message `content`) are taken
+//! as raw JSON and checked by [`crate::validate`], so a wrong one gets an
+//! error naming it. Every other field lands in [`CommonParams::other`]; one
+//! that asks for something kvtier does not do (`tools`, `logprobs: true`,
+//! a penalty, ...) is a 400 naming it, never silently dropped
+//! ([`crate::validate::check_unsupported`]). Responses carry OpenAI's fields plus an additive `kvtier`
 //! object (cached tokens per tier, TTFT).
 
 use serde::{Deserialize, Serialize};
@@ -42,6 +44,9 @@ pub struct CommonParams {
     /// vLLM's prefix-cache salt: requests share cached KV only with the
     /// same `cache_salt` (within their tenant).
     pub cache_salt: Option<String>,
+    /// Every other field of the request.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, Value>,
 }
 
 /// `POST /v1/completions`.

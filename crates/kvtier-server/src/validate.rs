@@ -185,6 +185,52 @@ fn encode(state: &AppState, text: &str, param: &'static str) -> Result<Vec<u32>,
         .map_err(|e| ApiError::invalid(format!("cannot tokenize the {param}: {e}"), Some(param)))
 }
 
+/// Fields kvtier accepts without acting on them only at these values (the
+/// ones that ask for nothing: OpenAI's defaults, as clients often send
+/// them explicitly). `null` is accepted for every field.
+fn neutral(field: &str, v: &Value) -> Option<bool> {
+    let zero = || v.as_f64() == Some(0.0);
+    Some(match field {
+        // Metadata: an end user's id (OpenAI), no effect by design.
+        "user" => v.is_string(),
+        "logprobs" | "echo" | "ignore_eos" | "parallel_tool_calls" | "store" => {
+            v.as_bool() == Some(false)
+        }
+        "top_logprobs" | "presence_penalty" | "frequency_penalty" | "min_p" | "min_tokens" => {
+            zero()
+        }
+        "repetition_penalty" | "best_of" => v.as_f64() == Some(1.0),
+        "top_k" => matches!(v.as_i64(), Some(0 | -1)),
+        "logit_bias" | "metadata" => v.as_object().is_some_and(serde_json::Map::is_empty),
+        "tools" | "functions" => v.as_array().is_some_and(Vec::is_empty),
+        "tool_choice" | "function_call" => v.as_str() == Some("none"),
+        "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
+        "suffix" => v.as_str() == Some(""),
+        _ => return None,
+    })
+}
+
+/// A 400 naming the first field of `p.other` that asks for something this
+/// server does not do (an unknown field, or a known one at a value other
+/// than its neutral one).
+pub fn check_unsupported(p: &CommonParams) -> Result<(), ApiError> {
+    for (field, v) in &p.other {
+        if v.is_null() {
+            continue;
+        }
+        let message = match neutral(field, v) {
+            Some(true) => continue,
+            Some(false) => format!(
+                "`{field}` = {v} is not supported by this server; leave it out (or at its \
+                 default) and see docs/architecture.md for what is served"
+            ),
+            None => format!("unknown field `{field}`: this server does not support it"),
+        };
+        return Err(ApiError::invalid_field(message, field));
+    }
+    Ok(())
+}
+
 /// Checks the shared fields and the prompt's length; builds the plan.
 /// `max_tokens` falls back to `default_max` (the rest of the context when
 /// `None`).
@@ -196,6 +242,7 @@ pub fn plan(
     max_tokens: Option<i64>,
     default_max: Option<usize>,
 ) -> Result<Plan, ApiError> {
+    check_unsupported(p)?;
     let (prompt_param, prompt_name) = match api {
         Api::Completions => ("prompt", "prompt"),
         Api::Chat => ("messages", "chat prompt (rendered messages)"),

@@ -225,3 +225,64 @@ fn unknown_routes_and_methods_are_json_errors() {
     request(&s.addr, "GET", COMPLETIONS, &[], b"").assert_error(405, None);
     s.assert_serves();
 }
+
+#[test]
+fn fields_the_server_does_not_implement_are_400_naming_them() {
+    let s = Server::start(|_| ());
+    for (path, extra, field) in [
+        (COMPLETIONS, json!({"logprobs": 2}), "logprobs"),
+        (COMPLETIONS, json!({"echo": true}), "echo"),
+        (
+            COMPLETIONS,
+            json!({"presence_penalty": 0.5}),
+            "presence_penalty",
+        ),
+        (COMPLETIONS, json!({"logit_bias": {"5": 10}}), "logit_bias"),
+        (COMPLETIONS, json!({"top_k": 40}), "top_k"),
+        (COMPLETIONS, json!({"frobnicate": 1}), "frobnicate"),
+        (CHAT, json!({"tools": [{"type": "function"}]}), "tools"),
+        (
+            CHAT,
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (
+            CHAT,
+            json!({"logprobs": true, "top_logprobs": 3}),
+            "logprobs",
+        ),
+    ] {
+        let mut body = if path == CHAT {
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        } else {
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 1})
+        };
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = s.post(path, &body);
+        r.assert_error(400, Some(field));
+        assert_eq!(
+            r.json()["error"]["code"],
+            "unsupported_field",
+            "{}",
+            r.text()
+        );
+    }
+    // The same fields at the values that ask for nothing are served, as
+    // clients often send OpenAI's defaults explicitly.
+    let r = s.post(
+        COMPLETIONS,
+        &json!({"model": "tiny", "prompt": "hi", "max_tokens": 1, "logprobs": null,
+                "echo": false, "presence_penalty": 0, "frequency_penalty": 0.0,
+                "logit_bias": {}, "user": "someone", "top_k": -1, "best_of": 1}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = s.post(
+        CHAT,
+        &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1, "tools": [], "tool_choice": "none", "logprobs": false,
+                "response_format": {"type": "text"}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+}
