@@ -221,9 +221,9 @@ pub struct SchedulerStats {
     queued: AtomicUsize,
     restoring: AtomicUsize,
     running: AtomicUsize,
-    g1_pages: AtomicUsize,
-    g1_free: AtomicUsize,
+    g1_in_use: AtomicUsize,
     g1_cached: AtomicUsize,
+    g1_free: AtomicUsize,
 }
 
 /// A copy of [`SchedulerStats`].
@@ -235,12 +235,12 @@ pub struct SchedulerSnapshot {
     pub restoring: usize,
     /// Sequences computing (prefill chunks or decoding).
     pub running: usize,
-    /// G1 pages in all.
-    pub g1_pages: usize,
-    /// G1 pages free, counting cached ones that can be reclaimed.
-    pub g1_free: usize,
+    /// G1 pages held by running sequences.
+    pub g1_in_use: usize,
     /// G1 pages holding cached prefixes no sequence uses.
     pub g1_cached: usize,
+    /// G1 pages holding nothing.
+    pub g1_free: usize,
 }
 
 impl SchedulerStats {
@@ -249,9 +249,12 @@ impl SchedulerStats {
         self.queued.store(q.queue.len(), r);
         self.restoring.store(q.restoring.len(), r);
         self.running.store(q.active.len(), r);
-        self.g1_pages.store(engine.total_pages(), r);
-        self.g1_free.store(engine.free_pages(), r);
-        self.g1_cached.store(engine.cached_pages(), r);
+        // free_pages counts the cached ones too (they can be reclaimed).
+        let (reclaimable, cached) = (engine.free_pages(), engine.cached_pages());
+        self.g1_in_use
+            .store(engine.total_pages().saturating_sub(reclaimable), r);
+        self.g1_cached.store(cached, r);
+        self.g1_free.store(reclaimable.saturating_sub(cached), r);
     }
 
     /// The values now.
@@ -261,9 +264,9 @@ impl SchedulerStats {
             queued: self.queued.load(r),
             restoring: self.restoring.load(r),
             running: self.running.load(r),
-            g1_pages: self.g1_pages.load(r),
-            g1_free: self.g1_free.load(r),
+            g1_in_use: self.g1_in_use.load(r),
             g1_cached: self.g1_cached.load(r),
+            g1_free: self.g1_free.load(r),
         }
     }
 }

@@ -42,8 +42,8 @@ impl ApiError {
         }
     }
 
-    /// 400 `invalid_request_error` about the request field `field` (a name
-    /// the client sent).
+    /// 400 `invalid_request_error`, code `unsupported_field`, about the
+    /// request field `field` (a name the client sent).
     pub fn invalid_field(message: impl Into<String>, field: &str) -> Self {
         let mut e = Self::invalid(message, None).with_code("unsupported_field");
         e.param = Some(Cow::Owned(field.to_string()));

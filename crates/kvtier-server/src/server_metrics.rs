@@ -202,9 +202,11 @@ impl ServerMetrics {
         set(&self.sequences, "queued", s.queued);
         set(&self.sequences, "restoring", s.restoring);
         set(&self.sequences, "running", s.running);
-        let in_use = s.g1_pages.saturating_sub(s.g1_free);
-        let free = s.g1_free.saturating_sub(s.g1_cached);
-        for (name, v) in [("in_use", in_use), ("cached", s.g1_cached), ("free", free)] {
+        for (name, v) in [
+            ("in_use", s.g1_in_use),
+            ("cached", s.g1_cached),
+            ("free", s.g1_free),
+        ] {
             self.g1_pages
                 .get_or_create(&vec![("use", name.to_string())])
                 .set(i64::try_from(v).unwrap_or(i64::MAX));

@@ -9,7 +9,7 @@ use std::process::Command;
 
 use common::*;
 use kvtier_store::block::HEADER_BYTES;
-use kvtier_store::{BlockKey, DiskConfig, DiskError, DiskTier, StoreConfig, Tier};
+use kvtier_store::{BlockKey, DiskConfig, DiskError, DiskTier, StoreConfig, Tier, TieredStore};
 
 fn config(dir: &Path) -> StoreConfig {
     let mut c = store_config(Some(dir), 256, 32);
@@ -31,6 +31,30 @@ fn write_and_locate(dir: &Path, ks: &[BlockKey]) -> HashMap<BlockKey, (PathBuf, 
         .collect();
     store.close().expect("close");
     map
+}
+
+/// Writes `ks` and flips a byte inside the key field of `ks[i]`'s header;
+/// returns that key.
+fn with_a_flipped_key_byte(dir: &Path, ks: &[BlockKey], i: usize) -> BlockKey {
+    let loc = write_and_locate(dir, ks);
+    let (path, off) = &loc[&ks[i]];
+    flip_byte(path, off + 12);
+    ks[i]
+}
+
+/// The bad block's slot is free again: a full set of new blocks fits
+/// without evicting any of the intact ones (32 slots, 7 used), and after a
+/// reopen the bad block is still gone.
+fn assert_slot_reused_and_block_gone(store: TieredStore, dir: &Path, bad: &BlockKey) {
+    let fresh = keys(100..125);
+    put(&store, &fresh);
+    store.evict_memory().expect("evict G2");
+    assert_eq!(store.metrics().g3.evictions.get(), 0);
+    assert_eq!(store.stats().g3_blocks, 32);
+    store.close().expect("close");
+    let store = open(config(dir));
+    assert!(!store.disk().expect("G3 configured").contains(bad));
+    assert_eq!(store.stats().g3_blocks, 32);
 }
 
 #[test]
@@ -119,10 +143,7 @@ fn a_flipped_header_byte_is_a_miss_counted_once_and_its_slot_reused() {
     // indexed until its first read, which rejects it.
     let dir = tempfile::tempdir().unwrap();
     let ks = keys(0..8);
-    let bad = ks[5];
-    let loc = write_and_locate(dir.path(), &ks);
-    let (path, off) = &loc[&bad];
-    flip_byte(path, off + 12); // inside the key field
+    let bad = with_a_flipped_key_byte(dir.path(), &ks, 5);
 
     let store = open(config(dir.path()));
     assert!(matches!(
@@ -137,26 +158,15 @@ fn a_flipped_header_byte_is_a_miss_counted_once_and_its_slot_reused() {
     assert_eq!(got.iter().flatten().count(), 7);
     assert_eq!(store.metrics().g3.corrupt_blocks.get(), 1);
     assert!(!store.disk().unwrap().contains(&bad));
-    let fresh = keys(100..125);
-    put(&store, &fresh);
-    store.evict_memory().unwrap();
-    assert_eq!(store.metrics().g3.evictions.get(), 0);
-    assert_eq!(store.stats().g3_blocks, 32);
-    store.close().unwrap();
     // Its wipe was journaled: it does not come back.
-    let store = open(config(dir.path()));
-    assert!(!store.disk().unwrap().contains(&bad));
-    assert_eq!(store.stats().g3_blocks, 32);
+    assert_slot_reused_and_block_gone(store, dir.path(), &bad);
 }
 
 #[test]
 fn a_flipped_header_byte_drops_the_block_at_a_scanning_open() {
     let dir = tempfile::tempdir().unwrap();
     let ks = keys(0..8);
-    let bad = ks[5];
-    let loc = write_and_locate(dir.path(), &ks);
-    let (path, off) = &loc[&bad];
-    flip_byte(path, off + 12); // inside the key field
+    let bad = with_a_flipped_key_byte(dir.path(), &ks, 5);
     // Without the saved index the open reads every header.
     std::fs::remove_file(slot_dir(dir.path()).join("index.kvti")).unwrap();
 
@@ -177,17 +187,7 @@ fn a_flipped_header_byte_drops_the_block_at_a_scanning_open() {
             assert_content(b);
         }
     }
-    // Its slot is free again: a full set of new blocks fits without evicting
-    // any of the intact ones (32 slots, 7 used).
-    let fresh = keys(100..125);
-    put(&store, &fresh);
-    store.evict_memory().unwrap();
-    assert_eq!(store.metrics().g3.evictions.get(), 0);
-    assert_eq!(store.stats().g3_blocks, 32);
-    store.close().unwrap();
-    let store = open(config(dir.path()));
-    assert!(!store.disk().unwrap().contains(&bad));
-    assert_eq!(store.stats().g3_blocks, 32);
+    assert_slot_reused_and_block_gone(store, dir.path(), &bad);
 }
 
 #[test]

@@ -13,18 +13,16 @@ use std::path::Path;
 use common::*;
 use kvtier_store::{DiskConfig, Recovery, Tier};
 
-fn write_blocks(dir: &Path, disk: DiskConfig, ks: &[kvtier_store::BlockKey]) {
-    let mut c = store_config(Some(dir), 4, 0);
-    c.disk = Some(disk);
-    let store = open(c);
-    put(&store, ks);
-    store.close().unwrap();
-}
-
 fn open_with(dir: &Path, disk: DiskConfig) -> kvtier_store::TieredStore {
     let mut c = store_config(Some(dir), 4, 0);
     c.disk = Some(disk);
     open(c)
+}
+
+fn write_blocks(dir: &Path, disk: DiskConfig, ks: &[kvtier_store::BlockKey]) {
+    let store = open_with(dir, disk);
+    put(&store, ks);
+    store.close().unwrap();
 }
 
 #[test]
