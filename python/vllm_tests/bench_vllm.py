@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testing"))
 
 from make_model import SIZES, make, text  # noqa: E402
 from vllm_server import Reply, VllmServer, example_transfer_config, kvtier_transfer_config  # noqa: E402

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# make_model.py, shared with the engine's reference checks.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testing"))
 
 _FIGURES: dict[str, Any] = {}
 _OUTCOMES: dict[str, str] = {}

@@ -1,5 +1,6 @@
 """Makes a small random Llama model in Hugging Face format, with a BPE
 tokenizer trained by ``tokenizers`` on generated text: no download.
+Shared by the Python checks (python/vllm_tests imports it from here).
 
     python make_model.py DIR [--size tiny|100m] [--seed N]
 
