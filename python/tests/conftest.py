@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 
 import kvtier
 from helpers import numpy_tensors, torch_tensors, write_sharded
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testing"))
 
 
 def pytest_report_header() -> list[str]:
@@ -35,19 +38,4 @@ def torch_model(tmp_path: Path) -> tuple[Path, dict]:
 
 
 # Skipping is never a pass: a test that cannot run fails the suite.
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
-    outcome = yield
-    report = outcome.get_result()
-    if report.skipped and not hasattr(report, "wasxfail"):
-        report.outcome = "failed"
-        report.longrepr = f"skipped, and skips are not allowed here: {report.longrepr}"
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector):  # type: ignore[no-untyped-def]
-    outcome = yield
-    report = outcome.get_result()
-    if report.skipped:
-        report.outcome = "failed"
-        report.longrepr = f"skipped at collection, and skips are not allowed here: {report.longrepr}"
+from no_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401
