@@ -124,7 +124,7 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 
 fn main() {
     // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvtier_engine::fix_cpu_threads() };
+    unsafe { kvtier_engine::fix_cpu_threads(None) };
     if let Err(e) = run() {
         eprintln!("error: {e}");
         std::process::exit(1);

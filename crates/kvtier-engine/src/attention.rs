@@ -13,17 +13,26 @@ use crate::kv_pool::{KvPool, PageId};
 
 /// Additive causal mask `(t, pages * block_tokens)` for queries at positions
 /// `start..start + t`: key `j` is visible to query `i` iff `j <= start + i`
-/// (which also hides the unwritten tail of the last page).
+/// (which also hides the unwritten tail of the last page) and, with a
+/// sliding `window`, `j > start + i - window` (as `transformers` masks it).
 pub fn causal_mask(
     start: usize,
     t: usize,
     keys: usize,
+    window: Option<usize>,
     device: &Device,
 ) -> candle_core::Result<Tensor> {
     let mut m = Vec::with_capacity(t * keys);
     for i in 0..t {
         let last = start + i;
-        m.extend((0..keys).map(|j| if j <= last { 0f32 } else { f32::NEG_INFINITY }));
+        let first = window.map_or(0, |w| (last + 1).saturating_sub(w));
+        m.extend((0..keys).map(|j| {
+            if j <= last && j >= first {
+                0f32
+            } else {
+                f32::NEG_INFINITY
+            }
+        }));
     }
     Tensor::from_vec(m, (t, keys), device)
 }
@@ -31,17 +40,18 @@ pub fn causal_mask(
 /// The mask of a sequence's `t` queries at positions `start..start + t`
 /// over the pages of `table` they read (those holding positions up to
 /// `start + t - 1`): [`causal_mask`] over that many pages' keys. The same
-/// for every layer, so it is built once per forward pass.
+/// for every layer of one window, so it is built once per forward pass.
 pub fn sequence_mask(
     pool: &KvPool,
     table: &[PageId],
     start: usize,
     t: usize,
+    window: Option<usize>,
     device: &Device,
 ) -> candle_core::Result<Tensor> {
     let bt = pool.block_tokens();
     let pages = (start + t).div_ceil(bt).min(table.len());
-    causal_mask(start, t, pages * bt, device)
+    causal_mask(start, t, pages * bt, window, device)
 }
 
 /// Attention output `(heads, t, head_dim)` for queries `q` `(heads, t,
@@ -136,7 +146,7 @@ mod tests {
                 .map(|x| ((x * 13) as f32 * 0.05).cos())
                 .collect();
             let q = Tensor::from_vec(qd.clone(), (heads, t, hd), &dev).unwrap();
-            let mask = sequence_mask(&pool, table, start, t, &dev).unwrap();
+            let mask = sequence_mask(&pool, table, start, t, None, &dev).unwrap();
             let got = paged_attention(&pool, 0, table, &q, &mask, kvh).unwrap();
             let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
             for qh in 0..heads {

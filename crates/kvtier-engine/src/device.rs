@@ -21,28 +21,33 @@ pub fn cuda_stream(
     }
 }
 
-/// Fixes candle's CPU thread count for the rest of the process, so its
-/// matmuls stop reading `/proc/cpuinfo`.
+/// Fixes the engine's CPU thread count for the rest of the process:
+/// `threads` when given (`kvtier serve --threads`), else
+/// `RAYON_NUM_THREADS` when set, else the count candle picks (the physical
+/// cores).
 ///
-/// candle asks for its thread count at every matmul; unless
-/// `RAYON_NUM_THREADS` is set, that counts the physical cores from
-/// `/proc/cpuinfo` each time (2,922 reads in the `speed` example's 2,048-token
-/// prefill and 32 decode steps; the kernel's formatting of that file was 3 %
-/// of the samples in a decode step on the reference VM). This sets the
-/// variable to the count candle picks, once; a value already set is kept.
+/// Both candle's matmuls and the rayon pool read `RAYON_NUM_THREADS`, and
+/// candle asks for its thread count at every matmul; unless the variable is
+/// set, that counts the physical cores from `/proc/cpuinfo` each time
+/// (2,922 reads in the `speed` example's 2,048-token prefill and 32 decode
+/// steps; the kernel's formatting of that file was 3 % of the samples in a
+/// decode step on the reference VM). So the count is written to the
+/// variable once, here.
 ///
 /// # Safety
 ///
 /// It changes the process environment, so no other thread may read or
 /// write the environment meanwhile: call it first thing in `main`, before
 /// any thread starts.
-pub unsafe fn fix_cpu_threads() {
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let n = candle_core::utils::get_num_threads();
-        // SAFETY: the caller guarantees no other thread touches the
-        // environment now.
-        unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
-    }
+pub unsafe fn fix_cpu_threads(threads: Option<usize>) {
+    let n = match threads {
+        Some(n) => n.max(1),
+        None if std::env::var_os("RAYON_NUM_THREADS").is_some() => return,
+        None => candle_core::utils::get_num_threads(),
+    };
+    // SAFETY: the caller guarantees no other thread touches the
+    // environment now.
+    unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
 }
 
 /// Opens the device named `cpu`, `cuda` (ordinal 0) or `cuda:N`.

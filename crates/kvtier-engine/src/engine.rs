@@ -141,6 +141,9 @@ pub(crate) struct Seq {
     pub(crate) chain: KeyChain,
     /// A prefill begun and not attached yet.
     pub(crate) prefill: Option<Begun>,
+    /// The store holds the prompt's tail under its partial key already (it
+    /// was restored from there): not offered again.
+    pub(crate) tail_stored: bool,
 }
 
 /// The inference engine. Single-threaded: the scheduler owns it.
@@ -392,10 +395,11 @@ impl Engine {
         while seq.keys.len() < full {
             let i = seq.keys.len();
             let prev = seq.keys.last().copied().unwrap_or_else(|| seq.chain.seed());
-            let key = seq.chain.next(&prev, &seq.tokens[i * bt..(i + 1) * bt]);
+            let tokens = &seq.tokens[i * bt..(i + 1) * bt];
+            let key = seq.chain.next(&prev, tokens);
             seq.keys.push(key);
             let page = seq.table[i];
-            if self.g1.insert(key, page) {
+            if self.g1.insert(key, page, prev, tokens) {
                 new.push((key, page));
             }
         }
@@ -447,9 +451,39 @@ impl Engine {
         failed.map_or(Ok(()), Err)
     }
 
+    /// Offers the store the page holding the prompt's tail (the tokens
+    /// after its full blocks but its last one) under the tail's partial key
+    /// ([`kvtier_store::KeyChain::partial`]), once the prompt is computed:
+    /// a repeated prompt then restores all but its last token.
+    fn offer_prompt_tail(&mut self, id: SeqId) {
+        let bt = self.opts.block_tokens;
+        if !self.opts.prefix_reuse || self.store.is_none() {
+            return;
+        }
+        let Some(seq) = self.seqs.get(&id) else {
+            return;
+        };
+        let reusable = seq.tokens.len().saturating_sub(1);
+        let full = reusable / bt;
+        if seq.tail_stored || reusable == full * bt || seq.keys.len() < full {
+            return;
+        }
+        let Some(&page) = seq.table.get(full) else {
+            return;
+        };
+        let prev = if full == 0 {
+            seq.chain.seed()
+        } else {
+            seq.keys[full - 1]
+        };
+        let key = seq.chain.partial(&prev, &seq.tokens[full * bt..reusable]);
+        self.pool.retain(page);
+        self.pending_offload.push((key, page));
+    }
+
     /// Drops one reference; an unreferenced page stays cached in G1 when it
     /// holds a registered block, and is freed otherwise.
-    fn release_page(&mut self, page: PageId) {
+    pub(crate) fn release_page(&mut self, page: PageId) {
         if self.pool.release(page) {
             if self.g1.holds(page) {
                 self.g1.mark_idle(page);
@@ -589,6 +623,9 @@ impl Engine {
                 None
             });
             self.register_full_pages(id)?;
+            if done {
+                self.offer_prompt_tail(id);
+            }
         }
         Ok(out)
     }
@@ -603,13 +640,27 @@ impl Engine {
         }
     }
 
-    /// Ends a sequence. Its full pages stay in G1 for reuse until reclaimed.
+    /// Ends a sequence. Its pages stay in G1 for reuse until reclaimed: the
+    /// full ones under their keys, the last one, when partly filled, below
+    /// the last full one's key (any later prompt starting with its tokens
+    /// copies them).
     pub fn finish(&mut self, id: SeqId) {
         let Some(seq) = self.seqs.remove(&id) else {
             return;
         };
         if let Some(begun) = seq.prefill {
             begun.cancel();
+        }
+        let bt = self.opts.block_tokens;
+        let full = seq.computed / bt;
+        if self.opts.prefix_reuse
+            && seq.keys.len() == full
+            && let Some(&page) = seq.table.get(full)
+            && seq.computed > full * bt
+        {
+            let parent = seq.keys.last().copied().unwrap_or_else(|| seq.chain.seed());
+            self.g1
+                .insert_partial(page, parent, &seq.tokens[full * bt..seq.computed]);
         }
         for page in seq.table {
             self.release_page(page);

@@ -32,6 +32,14 @@ pub enum EngineError {
         /// What is wrong.
         msg: String,
     },
+    /// A chat template does not compile.
+    #[error("chat template ({origin}): {msg}")]
+    ChatTemplate {
+        /// Where it came from (a file, or `chat_template` of a config).
+        origin: String,
+        /// What is wrong.
+        msg: String,
+    },
     /// The request cannot be served (empty or over-long prompt, ...).
     #[error("invalid request: {0}")]
     Request(String),

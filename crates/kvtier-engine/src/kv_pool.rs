@@ -298,6 +298,38 @@ impl KvPool {
         Ok(())
     }
 
+    /// Copies the first `rows` token rows of page `src` (every layer, K and
+    /// V, every head) into page `dst`: how a prompt takes the tokens it
+    /// shares with a cached page without sharing the page (the rest of
+    /// `dst` is then written by the prompt's own tokens).
+    pub fn copy_rows(&self, src: PageId, dst: PageId, rows: usize) -> Result<(), EngineError> {
+        if rows > self.block_tokens || src as usize >= self.pages || dst as usize >= self.pages {
+            return Err(EngineError::Request(format!(
+                "cannot copy {rows} rows from page {src} to page {dst} of {} pages of {} tokens",
+                self.pages, self.block_tokens
+            )));
+        }
+        if rows == 0 || src == dst {
+            return Ok(());
+        }
+        for t in self.k.iter().chain(&self.v) {
+            for h in 0..self.kv_heads {
+                let (from, to) = (self.row(src, h, 0), self.row(dst, h, 0));
+                if self.device.is_cpu() {
+                    t.inplace_op1(&CopyRows {
+                        from: from * self.head_dim,
+                        to: to * self.head_dim,
+                        len: rows * self.head_dim,
+                    })?;
+                } else {
+                    let part = t.narrow(0, from, rows)?.contiguous()?;
+                    t.slice_set(&part, 0, to)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Checks that a payload of `len` bytes fits a page; returns the bytes
     /// of one layer's K (or V) part.
     fn check_payload(&self, len: usize) -> Result<usize, EngineError> {
@@ -365,6 +397,35 @@ impl InplaceOp1 for WritePage<'_> {
     }
 }
 
+/// Copies `len` elements of a CPU tensor's memory from element `from` to
+/// element `to` (of its contiguous storage), in place.
+struct CopyRows {
+    from: usize,
+    to: usize,
+    len: usize,
+}
+
+impl InplaceOp1 for CopyRows {
+    fn name(&self) -> &'static str {
+        "kvtier-copy-rows"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(all) = storage else {
+            return Err(candle_core::Error::Msg("KV pool is not f32".into()));
+        };
+        let Some((start, _)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::Msg("KV pool is not contiguous".into()));
+        };
+        let (from, to) = (start + self.from, start + self.to);
+        if from.max(to) + self.len > all.len() {
+            return Err(candle_core::Error::Msg("rows outside the pool".into()));
+        }
+        all.copy_within(from..from + self.len, to);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -423,6 +484,35 @@ mod tests {
             );
         }
         assert!(pool.import(0, &block[1..]).is_err(), "a short payload");
+        // The first two token rows of page 3 into page 0: those rows equal,
+        // the third row untouched (zero).
+        pool.copy_rows(3, 0, 2).unwrap();
+        for layer in 0..2 {
+            let got: Vec<f32> = pool
+                .page_k(layer, 0)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let src: Vec<f32> = pool
+                .page_k(layer, 3)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for h in 0..2 {
+                let at = |r: usize| h * 12 + r * 4;
+                assert_eq!(
+                    got[at(0)..at(2)],
+                    src[at(0)..at(2)],
+                    "layer {layer} head {h}"
+                );
+                assert_eq!(got[at(2)..at(3)], [0.0; 4], "row 2 not copied");
+            }
+        }
+        assert!(pool.copy_rows(3, 0, 4).is_err(), "more rows than a page");
         assert!(pool.export_into(0, &mut block[..8]).is_err());
     }
 }

@@ -8,10 +8,12 @@
 //! * [`engine`]: sequences, the batched step (decode and prefill chunks),
 //!   offload to the store; [`prefix_restore`]: restoring prefixes from the
 //!   store without waiting on it.
-//! * [`tokenizer`], [`sampling`], [`preset`]: text, token choice, and the
+//! * [`tokenizer`], [`chat_template`], [`sampling`], [`preset`]: text as
+//!   `transformers` tokenizes and templates it, token choice, and the
 //!   embedded default models.
 
 pub mod attention;
+pub mod chat_template;
 pub mod device;
 pub mod engine;
 pub mod engine_error;

@@ -1,9 +1,15 @@
-//! The decoder-only transformer (Llama / Qwen2 / Mistral) on candle, with its
-//! KV in the external paged pool ([`KvPool`]) instead of a private cache.
+//! The decoder-only transformer (Llama, Qwen2, Mistral, Qwen3, Phi-3) on
+//! candle, with its KV in the external paged pool ([`KvPool`]) instead of a
+//! private cache.
 //!
 //! [`Model::forward`] runs any mix of prefill chunks and decode tokens of
 //! different sequences in one pass: the projections and MLP see all tokens
 //! as one matrix (batched), attention runs per sequence against its pages.
+//!
+//! Each layer holds q/k/v as one fused projection and gate/up as another
+//! (Phi-3's weights come so; the others' are concatenated at load): one
+//! matmul each instead of three and two, fewer passes over the activations
+//! and fewer operations per step.
 
 use candle_core::{D, DType, Device, Tensor};
 use candle_nn::{Linear, Module};
@@ -28,15 +34,18 @@ pub struct Segment<'a> {
 
 #[derive(Debug)]
 struct Layer {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q, k and v projections, fused: `(q_out + 2 * kv_out, hidden)`.
+    qkv: Linear,
     o: Linear,
-    gate: Linear,
-    up: Linear,
+    /// gate and up projections, fused: `(2 * intermediate, hidden)`.
+    gate_up: Linear,
     down: Linear,
     input_norm: Tensor,
     post_norm: Tensor,
+    /// Qwen3's per-head RMSNorm of queries and keys.
+    qk_norm: Option<(Tensor, Tensor)>,
+    /// Sliding attention window (`None`: full attention).
+    window: Option<usize>,
 }
 
 /// A loaded model.
@@ -49,6 +58,32 @@ pub struct Model {
     lm_head: Linear,
     rope: Rope,
     device: Device,
+}
+
+/// Takes `{prefix}.{name}.weight` of `shape` and its bias when `bias`.
+fn take_linear(
+    w: &mut Weights,
+    prefix: &str,
+    name: &str,
+    shape: [usize; 2],
+    bias: bool,
+) -> Result<(Tensor, Option<Tensor>), EngineError> {
+    let weight = w.take(&format!("{prefix}.{name}.weight"), &shape)?;
+    let bias = if bias {
+        Some(w.take(&format!("{prefix}.{name}.bias"), &[shape[0]])?)
+    } else {
+        None
+    };
+    Ok((weight, bias))
+}
+
+/// One projection from several stacked along the output dimension.
+fn fuse(parts: Vec<(Tensor, Option<Tensor>)>) -> Result<Linear, EngineError> {
+    let weights: Vec<&Tensor> = parts.iter().map(|p| &p.0).collect();
+    let weight = Tensor::cat(&weights, 0)?;
+    let biases: Option<Vec<&Tensor>> = parts.iter().map(|p| p.1.as_ref()).collect();
+    let bias = biases.map(|b| Tensor::cat(&b, 0)).transpose()?;
+    Ok(Linear::new(weight, bias))
 }
 
 impl Model {
@@ -69,30 +104,38 @@ impl Model {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            let lin = |w: &mut Weights,
-                       name: &str,
-                       out: usize,
-                       inp: usize,
-                       b: bool|
-             -> Result<Linear, EngineError> {
-                let weight = w.take(&format!("{p}.{name}.weight"), &[out, inp])?;
-                let bias = if b {
-                    Some(w.take(&format!("{p}.{name}.bias"), &[out])?)
-                } else {
-                    None
-                };
-                Ok(Linear::new(weight, bias))
+            let (qkv, gate_up) = if cfg.fused_weights() {
+                let qkv = take_linear(w, &p, "self_attn.qkv_proj", [q_out + 2 * kv_out, h], bias)?;
+                let gate_up = take_linear(w, &p, "mlp.gate_up_proj", [2 * i, h], false)?;
+                (fuse(vec![qkv])?, fuse(vec![gate_up])?)
+            } else {
+                let q = take_linear(w, &p, "self_attn.q_proj", [q_out, h], bias)?;
+                let k = take_linear(w, &p, "self_attn.k_proj", [kv_out, h], bias)?;
+                let v = take_linear(w, &p, "self_attn.v_proj", [kv_out, h], bias)?;
+                let gate = take_linear(w, &p, "mlp.gate_proj", [i, h], false)?;
+                let up = take_linear(w, &p, "mlp.up_proj", [i, h], false)?;
+                (fuse(vec![q, k, v])?, fuse(vec![gate, up])?)
+            };
+            let qk_norm = if cfg.qk_norm() {
+                Some((
+                    w.take(&format!("{p}.self_attn.q_norm.weight"), &[hd])?,
+                    w.take(&format!("{p}.self_attn.k_norm.weight"), &[hd])?,
+                ))
+            } else {
+                None
             };
             layers.push(Layer {
-                q: lin(w, "self_attn.q_proj", q_out, h, bias)?,
-                k: lin(w, "self_attn.k_proj", kv_out, h, bias)?,
-                v: lin(w, "self_attn.v_proj", kv_out, h, bias)?,
-                o: lin(w, "self_attn.o_proj", h, q_out, false)?,
-                gate: lin(w, "mlp.gate_proj", i, h, false)?,
-                up: lin(w, "mlp.up_proj", i, h, false)?,
-                down: lin(w, "mlp.down_proj", h, i, false)?,
+                qkv,
+                o: Linear::new(
+                    w.take(&format!("{p}.self_attn.o_proj.weight"), &[h, q_out])?,
+                    None,
+                ),
+                gate_up,
+                down: Linear::new(w.take(&format!("{p}.mlp.down_proj.weight"), &[h, i])?, None),
                 input_norm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                qk_norm,
+                window: cfg.layer_window(l),
             });
         }
         let norm = w.take("model.norm.weight", &[h])?;
@@ -101,7 +144,12 @@ impl Model {
         } else {
             Linear::new(w.take("lm_head.weight", &[cfg.vocab_size, h])?, None)
         };
-        let rope = Rope::new(&cfg, max_positions.min(cfg.max_position_embeddings), device)?;
+        let rope_params = cfg.rope().map_err(EngineError::Weights)?;
+        let rope = Rope::new(
+            &rope_params,
+            max_positions.min(cfg.max_position_embeddings),
+            device,
+        )?;
         Ok(Self {
             cfg,
             embed,
@@ -160,29 +208,53 @@ impl Model {
         let n = ids.len();
         let ids = Tensor::from_vec(ids, n, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
+        // Every windowed layer has the config's one window: per segment one
+        // mask for full attention and, when some layer slides, one for it.
+        let window = self.layers.iter().find_map(|l| l.window);
         let masks = segs
             .iter()
-            .map(|s| sequence_mask(pool, s.table, s.start, s.tokens.len(), &self.device))
+            .map(|s| {
+                let mask =
+                    |w| sequence_mask(pool, s.table, s.start, s.tokens.len(), w, &self.device);
+                Ok((mask(None)?, window.map(|w| mask(Some(w))).transpose()?))
+            })
             .collect::<candle_core::Result<Vec<_>>>()?;
+        let q_out = heads * hd;
+        let kv_out = kvh * hd;
+        let inter = cfg.intermediate_size;
         for (li, layer) in self.layers.iter().enumerate() {
             let hn = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
-            let q = layer.q.forward(&hn)?;
-            let k = layer.k.forward(&hn)?;
-            let v = layer.v.forward(&hn)?;
+            let qkv = layer.qkv.forward(&hn)?;
             let mut outs = Vec::with_capacity(segs.len());
             let mut off = 0;
-            for (s, mask) in segs.iter().zip(&masks) {
+            for (s, (full, win)) in segs.iter().zip(&masks) {
                 let t = s.tokens.len();
-                let split = |m: &Tensor, nh: usize| -> candle_core::Result<Tensor> {
-                    m.narrow(0, off, t)?
-                        .reshape((t, nh, hd))?
-                        .transpose(0, 1)?
-                        .contiguous()
+                // Rows of this segment, columns `col..col + nh * hd`, as
+                // `(nh, t, hd)`; Qwen3 norms each head's vector first.
+                let split =
+                    |col: usize, nh: usize, norm: Option<&Tensor>| -> candle_core::Result<Tensor> {
+                        let m = qkv
+                            .narrow(0, off, t)?
+                            .narrow(1, col, nh * hd)?
+                            .reshape((t, nh, hd))?;
+                        let m = match norm {
+                            Some(w) => candle_nn::ops::rms_norm(&m.contiguous()?, w, eps)?,
+                            None => m,
+                        };
+                        m.transpose(0, 1)?.contiguous()
+                    };
+                let (qn, kn) = match &layer.qk_norm {
+                    Some((qn, kn)) => (Some(qn), Some(kn)),
+                    None => (None, None),
                 };
-                let qs = self.rope.apply(&split(&q, heads)?, s.start)?;
-                let ks = self.rope.apply(&split(&k, kvh)?, s.start)?;
-                let vs = split(&v, kvh)?;
+                let qs = self.rope.apply(&split(0, heads, qn)?, s.start)?;
+                let ks = self.rope.apply(&split(q_out, kvh, kn)?, s.start)?;
+                let vs = split(q_out + kv_out, kvh, None)?;
                 pool.write(li, s.table, s.start, &ks, &vs)?;
+                let mask = match (layer.window, win) {
+                    (Some(_), Some(w)) => w,
+                    _ => full,
+                };
                 let a = paged_attention(pool, li, s.table, &qs, mask, kvh)?;
                 outs.push(a.transpose(0, 1)?.reshape((t, heads * hd))?);
                 off += t;
@@ -194,8 +266,9 @@ impl Model {
             };
             x = (x + layer.o.forward(&attn)?)?;
             let hn = candle_nn::ops::rms_norm(&x, &layer.post_norm, eps)?;
+            let gu = layer.gate_up.forward(&hn)?;
             let act =
-                (candle_nn::ops::silu(&layer.gate.forward(&hn)?)? * layer.up.forward(&hn)?)?;
+                (candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?)?;
             x = (x + layer.down.forward(&act)?)?;
         }
         let idx = Tensor::from_vec(lasts, segs.len(), &self.device)?;

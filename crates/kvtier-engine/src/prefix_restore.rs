@@ -6,6 +6,16 @@
 //! each, all at once or ([`Engine::attach_some`]) a bounded number of bytes
 //! at a time between the scheduler's steps. The rest of the prompt is computed by
 //! [`Engine::step`].
+//!
+//! Reuse is token-granular: of a prompt of `n` tokens, everything but the
+//! last token (whose logits must be computed) can come from cache.
+//!
+//! * Full blocks by key, from G1 pages or the store.
+//! * The tail after them, fewer than a block: from the store by its partial
+//!   key (a repeated prompt; [`kvtier_store::KeyChain::partial`]), or from
+//!   any G1 page below the last full block that starts with the same tokens
+//!   ([`crate::prefix_cache::PrefixCache::best_child`]): its rows are
+//!   copied into the prompt's own page.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
@@ -23,8 +33,14 @@ pub(crate) struct Begun {
     started: Instant,
     /// Prompt tokens attached from G1 pages.
     cached: CachedTokens,
-    /// Keys of the usable blocks past the G1 hits, being read from the store.
+    /// Keys being read from the store, in prefix order: full blocks, then
+    /// possibly the tail's partial key (see `tail`).
     keys: Vec<BlockKey>,
+    /// The prompt's reusable tail after its full blocks: its partial key
+    /// and its length, when `keys` ends with it.
+    tail: Option<(BlockKey, usize)>,
+    /// Table length when the store's blocks start.
+    first_read: usize,
     /// The store read of `keys`, if one was needed.
     read: Option<Handle<Vec<StoredBlock>>>,
     /// When that read finished (set by its completion callback).
@@ -98,20 +114,12 @@ impl Engine {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let started = Instant::now();
-        let chain = self.keychain.salted(salt);
-        let mut seq = Seq {
-            tokens: prompt.to_vec(),
-            table: Vec::new(),
-            computed: 0,
-            keys: Vec::new(),
-            chain,
-            prefill: None,
-        };
         let mut begun = Begun {
-            started,
+            started: Instant::now(),
             cached: CachedTokens::default(),
             keys: Vec::new(),
+            tail: None,
+            first_read: 0,
             read: None,
             read_done: Arc::new(OnceLock::new()),
             blocks: None,
@@ -123,36 +131,149 @@ impl Engine {
             let _ = read_done.set(Instant::now());
             on_restored();
         }));
-        if self.opts.prefix_reuse {
-            // Never the block holding the last prompt token: its logits must
-            // be computed.
-            let bt = self.opts.block_tokens;
-            let usable = (prompt.len() - 1) / bt;
-            let keys = seq.chain.keys(&prompt[..usable * bt]);
-            for key in &keys {
-                let Some(page) = self.g1.get(key) else { break };
-                self.pool.retain(page);
-                self.g1.mark_busy(page);
-                seq.table.push(page);
-                begun.cached.g1 += bt;
-            }
-            seq.keys = keys[..seq.table.len()].to_vec();
-            seq.computed = seq.table.len() * bt;
-            let rest = keys[seq.table.len()..].to_vec();
-            if let Some(store) = &self.store
-                && !rest.is_empty()
-                && let Some(notify) = notify.take()
-            {
-                begun.read = Some(store.read_prefix_async(rest.clone(), notify));
-                begun.keys = rest;
-            }
+        let chain = self.keychain.salted(salt);
+        self.seqs.insert(
+            id,
+            Seq {
+                tokens: prompt.to_vec(),
+                table: Vec::new(),
+                computed: 0,
+                keys: Vec::new(),
+                chain,
+                prefill: None,
+                tail_stored: false,
+            },
+        );
+        if self.opts.prefix_reuse
+            && let Err(e) = self.find_cached(id, &mut begun, &mut notify)
+        {
+            self.finish(id);
+            return Err(e);
         }
-        seq.prefill = Some(begun);
-        self.seqs.insert(id, seq);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.prefill = Some(begun);
+        }
         if let Some(notify) = notify {
             notify();
         }
         Ok(id)
+    }
+
+    /// Attaches a new sequence's G1 hits and starts the store read of the
+    /// rest of its cached prefix (taking `notify` for it), or, when G1
+    /// holds it all or there is no store, copies the tail from G1 now.
+    fn find_cached(
+        &mut self,
+        id: SeqId,
+        begun: &mut Begun,
+        notify: &mut Option<Box<dyn FnOnce() + Send>>,
+    ) -> Result<(), EngineError> {
+        let bt = self.opts.block_tokens;
+        let Some(seq) = self.seqs.get(&id) else {
+            return Ok(());
+        };
+        // Never the last prompt token: its logits must be computed.
+        let reusable = seq.tokens.len() - 1;
+        let full = reusable / bt;
+        let keys = seq.chain.keys(&seq.tokens[..full * bt]);
+        let tail = &seq.tokens[full * bt..reusable];
+        let tail_key = (!tail.is_empty()).then(|| {
+            let prev = keys.last().copied().unwrap_or_else(|| seq.chain.seed());
+            (seq.chain.partial(&prev, tail), tail.len())
+        });
+        let mut hits = Vec::new();
+        for key in &keys {
+            let Some(page) = self.g1.get(key) else { break };
+            self.pool.retain(page);
+            self.g1.mark_busy(page);
+            hits.push(page);
+        }
+        let h = hits.len();
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.table = hits;
+            seq.keys = keys[..h].to_vec();
+            seq.computed = h * bt;
+        }
+        begun.cached.g1 = h * bt;
+        let mut rest = keys[h..].to_vec();
+        // G1 alone serves it when it holds every full block and the whole
+        // tail; else the store is asked first, and G1's pages serve what it
+        // lacks of the tail once its read is done.
+        let tail_len = tail_key.map_or(0, |(_, n)| n);
+        let g1_covers = rest.is_empty() && self.g1_tail_len(id, reusable) == tail_len;
+        if let Some(store) = &self.store
+            && !g1_covers
+            && (!rest.is_empty() || tail_key.is_some())
+            && let Some(notify) = notify.take()
+        {
+            if let Some((k, _)) = tail_key {
+                rest.push(k);
+            }
+            begun.read = Some(store.read_prefix_async(rest.clone(), notify));
+            begun.first_read = h;
+            begun.tail = tail_key;
+            begun.keys = rest;
+            return Ok(());
+        }
+        begun.cached.g1 += self.attach_g1_tail(id, reusable)?;
+        Ok(())
+    }
+
+    /// How many of `id`'s next tokens (up to `upto`) a G1 page below its
+    /// last full block holds (0 when it is not at a block boundary).
+    fn g1_tail_len(&self, id: SeqId, upto: usize) -> usize {
+        let bt = self.opts.block_tokens;
+        let Some(seq) = self.seqs.get(&id) else {
+            return 0;
+        };
+        if seq.computed >= upto || !seq.computed.is_multiple_of(bt) {
+            return 0;
+        }
+        let parent = seq.keys.last().copied().unwrap_or_else(|| seq.chain.seed());
+        self.g1
+            .best_child(&parent, &seq.tokens[seq.computed..upto])
+            .map_or(0, |(_, n)| n)
+    }
+
+    /// Copies into a fresh page of `id` the rows of the G1 page below its
+    /// last full block that shares the most of its next tokens (up to
+    /// `upto`); returns how many tokens that served (0: none, or no page
+    /// free for it: they are computed instead).
+    fn attach_g1_tail(&mut self, id: SeqId, upto: usize) -> Result<usize, EngineError> {
+        let bt = self.opts.block_tokens;
+        let Some(seq) = self.seqs.get(&id) else {
+            return Ok(0);
+        };
+        if seq.computed >= upto || !seq.computed.is_multiple_of(bt) {
+            return Ok(0);
+        }
+        let parent = seq.keys.last().copied().unwrap_or_else(|| seq.chain.seed());
+        let Some((src, n)) = self.g1.best_child(&parent, &seq.tokens[seq.computed..upto]) else {
+            return Ok(0);
+        };
+        let last = seq.table.last().copied();
+        // The source page must survive taking a free page for the copy.
+        self.pool.retain(src);
+        self.g1.mark_busy(src);
+        let copied = match self.alloc_page(last) {
+            Ok(dst) => match self.pool.copy_rows(src, dst, n) {
+                Ok(()) => {
+                    if let Some(seq) = self.seqs.get_mut(&id) {
+                        seq.table.push(dst);
+                        seq.computed += n;
+                    }
+                    n
+                }
+                Err(e) => {
+                    self.release_page(dst);
+                    self.release_page(src);
+                    return Err(e);
+                }
+            },
+            Err(_) => 0,
+        };
+        self.release_page(src);
+        Ok(copied)
     }
 
     /// True once the store read [`begin`](Self::begin) started for `id` is
@@ -227,6 +348,20 @@ impl Engine {
             }
             *budget = budget.saturating_sub(bytes);
         }
+        let pending = self
+            .seqs
+            .get(&id)
+            .and_then(|s| s.prefill.as_ref())
+            .is_some_and(|b| b.blocks.as_ref().is_some_and(|b| !b.is_empty()));
+        if pending {
+            if let Some(b) = self.seqs.get_mut(&id).and_then(|s| s.prefill.as_mut()) {
+                b.attached.restore_seconds += t.elapsed().as_secs_f64();
+            }
+            return Ok(None);
+        }
+        // Whatever the store lacked of the tail, a G1 page may hold.
+        let reusable = self.seqs.get(&id).map_or(0, |s| s.tokens.len() - 1);
+        let copied = self.attach_g1_tail(id, reusable)?;
         let Some(seq) = self.seqs.get_mut(&id) else {
             return Ok(None);
         };
@@ -234,10 +369,8 @@ impl Engine {
         let Some(begun) = seq.prefill.as_mut() else {
             return Ok(None);
         };
+        begun.attached.cached.g1 += copied;
         begun.attached.restore_seconds += t.elapsed().as_secs_f64();
-        if begun.blocks.as_ref().is_some_and(|b| !b.is_empty()) {
-            return Ok(None);
-        }
         let mut attached = begun.attached;
         attached.restore_seconds += begun.read_seconds;
         attached.to_compute = to_compute;
@@ -248,7 +381,8 @@ impl Engine {
     /// Copies one restored block, the next of the prefix, into a fresh G1
     /// page of `id` and counts it; false when it cannot (another key than
     /// the next one, a block that does not fit a page, a full pool): the
-    /// prefix ends there.
+    /// prefix ends there. A partial block (the tail) counts its tokens only
+    /// and gets no key: it is keyed, and offered, once full.
     fn attach_block(&mut self, id: SeqId, block: StoredBlock) -> bool {
         let bt = self.opts.block_tokens;
         let Some(seq) = self.seqs.get(&id) else {
@@ -257,12 +391,19 @@ impl Engine {
         let Some(begun) = seq.prefill.as_ref() else {
             return false;
         };
-        let index = seq.keys.len() - begun.cached.g1 / bt;
+        let index = seq.table.len() - begun.first_read;
         if begun.keys.get(index) != Some(&block.key) {
             return false;
         }
+        let tail = begun.tail.filter(|(k, _)| *k == block.key).map(|(_, n)| n);
         let key = block.key;
-        let Ok(page) = self.alloc_page(seq.table.last().copied()) else {
+        let last = seq.table.last().copied();
+        // A full block's place in the prefix, for the G1 index.
+        let full_at = tail.is_none().then(|| {
+            let parent = seq.keys.last().copied().unwrap_or_else(|| seq.chain.seed());
+            (parent, seq.table.len() * bt)
+        });
+        let Ok(page) = self.alloc_page(last) else {
             return false;
         };
         if let Err(e) = self.pool.import(page, block.payload()) {
@@ -271,20 +412,31 @@ impl Engine {
             self.pool.free(page);
             return false;
         }
-        self.g1.insert(key, page);
+        let tokens = tail.unwrap_or(bt);
+        if let Some((parent, start)) = full_at
+            && let Some(seq) = self.seqs.get(&id)
+        {
+            self.g1
+                .insert(key, page, parent, &seq.tokens[start..start + bt]);
+        }
         let Some(seq) = self.seqs.get_mut(&id) else {
             return false;
         };
-        seq.keys.push(key);
+        if tail.is_none() {
+            seq.keys.push(key);
+        } else {
+            // The store already holds this tail: no need to offer it again.
+            seq.tail_stored = true;
+        }
         seq.table.push(page);
-        seq.computed = seq.table.len() * bt;
+        seq.computed += tokens;
         if let Some(begun) = seq.prefill.as_mut() {
             let a = &mut begun.attached;
             a.restored_bytes += block.payload().len() as u64;
             match block.tier {
-                Tier::G2 => a.cached.g2 += bt,
-                Tier::G3 => a.cached.g3 += bt,
-                Tier::G4 => a.cached.g4 += bt,
+                Tier::G2 => a.cached.g2 += tokens,
+                Tier::G3 => a.cached.g3 += tokens,
+                Tier::G4 => a.cached.g4 += tokens,
             }
         }
         true

@@ -1,6 +1,7 @@
 //! The embedded default models: deterministic random-weight Llama-architecture
 //! models written as a normal Hugging Face model directory (`config.json`,
-//! `model.safetensors`, `tokenizer.json`), so everything runs with no
+//! `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` with a
+//! ChatML chat template), so everything runs with no
 //! download, through exactly the code that loads real models.
 //!
 //! * `tiny`: 2 layers, hidden 64: milliseconds per token; for tests.
@@ -223,5 +224,23 @@ pub fn write_preset(preset: Preset, seed: u64, dir: &Path) -> Result<u64, Engine
             path: tok_path.clone(),
             msg: e.to_string(),
         })?;
+    let tc_path = dir.join("tokenizer_config.json");
+    let tc = serde_json::to_string_pretty(&tokenizer_config())
+        .map_err(|e| EngineError::Weights(e.to_string()))?;
+    std::fs::write(&tc_path, tc).map_err(|e| io(&tc_path, e))?;
     Ok(cfg.parameter_count())
+}
+
+/// The presets' `tokenizer_config.json`: their special tokens, no BOS
+/// added to text prompts (as Qwen2), and the ChatML chat template they
+/// were built for.
+pub fn tokenizer_config() -> serde_json::Value {
+    serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[1],
+        "add_bos_token": false,
+        "add_eos_token": false,
+        "chat_template": crate::chat_template::DEFAULT_TEMPLATE,
+    })
 }

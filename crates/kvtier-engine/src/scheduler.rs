@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use crate::engine::{CachedTokens, Engine, SeqId};
 use crate::prefix_restore::Attached;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{Sampled, Sampler, SamplingParams};
 
 /// Batching limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,8 +147,9 @@ pub enum GenerateEvent {
         /// Seconds the engine spent restoring them.
         restore_seconds: f64,
     },
-    /// One generated token.
-    Token(u32),
+    /// One generated token (with its log probabilities when the request
+    /// asked for them).
+    Token(Sampled),
     /// Generation ended.
     Finished {
         /// Why.
@@ -496,7 +497,7 @@ fn prefilling(r: Restoring, attached: Attached) -> Active {
     let Restoring { seq, req, arrived } = r;
     Active {
         seq,
-        sampler: Sampler::new(req.sampling),
+        sampler: Sampler::new(req.sampling, &req.prompt),
         phase: Phase::Prefilling {
             prompt_tokens: req.prompt.len(),
             arrived,
@@ -521,7 +522,7 @@ fn started(a: &mut Active, logits: &[f32]) -> bool {
         return false;
     };
     let next = a.sampler.sample(logits);
-    a.phase = Phase::Decoding { next };
+    a.phase = Phase::Decoding { next: next.token };
     let event = GenerateEvent::Started {
         prompt_tokens,
         cached: attached.cached,
@@ -533,8 +534,8 @@ fn started(a: &mut Active, logits: &[f32]) -> bool {
 }
 
 /// Emits `next`; returns true when the request is done (and was told so).
-fn emit(a: &mut Active, next: u32) -> bool {
-    if a.stop.contains(&next) {
+fn emit(a: &mut Active, next: Sampled) -> bool {
+    if a.stop.contains(&next.token) {
         a.events.send(GenerateEvent::Finished {
             reason: FinishReason::Stop,
             completion_tokens: a.generated,
@@ -588,7 +589,7 @@ fn step(engine: &mut Engine, active: &mut Vec<Active>) {
             for (&(i, _), logits) in decode.iter().zip(&out.decoded) {
                 let a = &mut active[i];
                 let next = a.sampler.sample(logits);
-                a.phase = Phase::Decoding { next };
+                a.phase = Phase::Decoding { next: next.token };
                 if emit(a, next) {
                     done.push(i);
                 }
@@ -637,7 +638,7 @@ fn retry_alone(engine: &mut Engine, a: &mut Active, batch_error: &str) -> bool {
     match (result, &a.phase) {
         (Ok(Some(logits)), Phase::Decoding { .. }) => {
             let next = a.sampler.sample(&logits);
-            a.phase = Phase::Decoding { next };
+            a.phase = Phase::Decoding { next: next.token };
             emit(a, next)
         }
         (Ok(Some(logits)), Phase::Prefilling { .. }) => started(a, &logits),

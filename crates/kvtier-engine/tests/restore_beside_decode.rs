@@ -127,7 +127,7 @@ fn a_sequence_keeps_decoding_while_another_restores_from_g4() {
         "only {during} tokens decoded in {waited:?} while the other request restored"
     );
     match restoring.recv_timeout(Duration::from_secs(60)).unwrap() {
-        GenerateEvent::Token(t) => assert_eq!(t, want_first, "same first token as computed"),
+        GenerateEvent::Token(t) => assert_eq!(t.token, want_first, "same first token as computed"),
         other => panic!("{other:?}"),
     }
     drop(decoding);

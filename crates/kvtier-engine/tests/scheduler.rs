@@ -42,7 +42,7 @@ fn collect(rx: mpsc::Receiver<GenerateEvent>) -> (Vec<u32>, FinishReason) {
     assert!(matches!(first, GenerateEvent::Started { .. }), "{first:?}");
     loop {
         match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
-            GenerateEvent::Token(t) => tokens.push(t),
+            GenerateEvent::Token(t) => tokens.push(t.token),
             GenerateEvent::Finished {
                 reason,
                 completion_tokens,

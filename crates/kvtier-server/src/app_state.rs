@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use kvtier_engine::chat_template::ChatTemplate;
 use kvtier_engine::scheduler::Scheduler;
 use kvtier_engine::tokenizer::TextTokenizer;
 use tokio::sync::Semaphore;
@@ -31,6 +32,8 @@ pub struct AppState {
     pub created: u64,
     /// The model's tokenizer.
     pub tokenizer: Arc<TextTokenizer>,
+    /// The model's chat template.
+    pub chat_template: Arc<ChatTemplate>,
     /// The engine's scheduler.
     pub scheduler: Arc<Scheduler>,
     /// Request limits.
@@ -58,6 +61,7 @@ impl AppState {
     pub fn new(
         model_name: String,
         tokenizer: Arc<TextTokenizer>,
+        chat_template: Arc<ChatTemplate>,
         scheduler: Arc<Scheduler>,
         limits: Limits,
         stop_tokens: Vec<u32>,
@@ -75,6 +79,7 @@ impl AppState {
             model_name,
             created: unix_now(),
             tokenizer,
+            chat_template,
             scheduler,
             limits,
             stop_tokens,

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_engine::CachedTokens;
+use kvtier_engine::sampling::Sampled;
 use kvtier_engine::scheduler::{EventSink, GenerateEvent, GenerateRequest};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -47,10 +48,12 @@ pub struct Finish {
 }
 
 /// One piece of output.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
-    /// New text.
-    Text(String),
+    /// New text, and the log probabilities of the tokens it came from (when
+    /// asked for; may be empty when the text came from earlier tokens, or
+    /// the text empty when a token's text is still held back).
+    Text(String, Vec<Sampled>),
     /// The end.
     Finished(Finish),
 }
@@ -65,6 +68,8 @@ pub struct Generation {
     /// What the prefill reported.
     pub started: Started,
     pending: VecDeque<Piece>,
+    /// Tokens with log probabilities whose text was not emitted yet.
+    unsent: Vec<Sampled>,
     last_token: Instant,
     /// When the HTTP request arrived (for the end-to-end latency).
     arrived: Instant,
@@ -78,6 +83,7 @@ impl Generation {
     /// came in.
     pub async fn start(state: &AppState, plan: Plan, arrived: Instant) -> Result<Self, ApiError> {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let detok = Detokenizer::after(state.tokenizer.clone(), &plan.prompt);
         let Plan {
             prompt,
             max_tokens,
@@ -132,11 +138,12 @@ impl Generation {
         metrics.in_flight.inc();
         Ok(Self {
             rx: Some(rx),
-            detok: Detokenizer::new(state.tokenizer.clone()),
+            detok,
             stop: StopMatcher::new(stop_strings),
             metrics,
             started,
             pending: VecDeque::new(),
+            unsent: Vec::new(),
             last_token: Instant::now(),
             arrived,
             tokens: 0,
@@ -157,12 +164,18 @@ impl Generation {
                 return Ok(None);
             };
             match rx.recv().await {
-                Some(GenerateEvent::Token(id)) => self.on_token(id)?,
+                Some(GenerateEvent::Token(sampled)) => self.on_token(sampled)?,
                 Some(GenerateEvent::Finished { reason, .. }) => {
                     let rest = self.decode_err(|d| d.flush())?;
                     if !self.on_text(&rest) {
                         let tail = self.stop.finish();
                         self.push_text(tail);
+                        // Tokens whose text was empty still have their
+                        // log probabilities.
+                        if !self.unsent.is_empty() {
+                            let lp = std::mem::take(&mut self.unsent);
+                            self.pending.push_back(Piece::Text(String::new(), lp));
+                        }
                         self.end(reason.as_str());
                     }
                 }
@@ -181,20 +194,25 @@ impl Generation {
         }
     }
 
-    /// Collects the whole output.
-    pub async fn collect(&mut self) -> Result<(String, Finish), ApiError> {
+    /// Collects the whole output: its text, how it ended, and the log
+    /// probabilities of its tokens (when asked for).
+    pub async fn collect(&mut self) -> Result<(String, Finish, Vec<Sampled>), ApiError> {
         let mut text = String::new();
+        let mut logprobs = Vec::new();
         let mut finish = Finish {
             reason: "length",
             completion_tokens: 0,
         };
         while let Some(piece) = self.next().await? {
             match piece {
-                Piece::Text(t) => text.push_str(&t),
+                Piece::Text(t, lp) => {
+                    text.push_str(&t);
+                    logprobs.extend(lp);
+                }
                 Piece::Finished(f) => finish = f,
             }
         }
-        Ok((text, finish))
+        Ok((text, finish, logprobs))
     }
 
     /// Token counts for `finish`.
@@ -225,7 +243,11 @@ impl Generation {
         }
     }
 
-    fn on_token(&mut self, id: u32) -> Result<(), ApiError> {
+    fn on_token(&mut self, sampled: Sampled) -> Result<(), ApiError> {
+        let id = sampled.token;
+        if sampled.logprobs.is_some() {
+            self.unsent.push(sampled);
+        }
         let now = Instant::now();
         if self.tokens > 0 {
             self.metrics
@@ -249,7 +271,13 @@ impl Generation {
                 false
             }
             StopOutcome::Stopped(t) => {
-                self.push_text(t);
+                // The text before the stop string carries the log
+                // probabilities of every token up to the one that ended it
+                // (as vLLM's do).
+                let lp = std::mem::take(&mut self.unsent);
+                if !t.is_empty() || !lp.is_empty() {
+                    self.pending.push_back(Piece::Text(t, lp));
+                }
                 // Dropping the receiver tells the scheduler to end the
                 // sequence.
                 self.rx = None;
@@ -259,9 +287,12 @@ impl Generation {
         }
     }
 
+    /// Queues `t` with the log probabilities of the tokens seen since the
+    /// last piece.
     fn push_text(&mut self, t: String) {
         if !t.is_empty() {
-            self.pending.push_back(Piece::Text(t));
+            let lp = std::mem::take(&mut self.unsent);
+            self.pending.push_back(Piece::Text(t, lp));
         }
     }
 

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
+use kvtier_engine::chat_template::ChatTemplate;
 use kvtier_engine::scheduler::{BatchConfig, Scheduler};
 use kvtier_engine::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions, open_device};
@@ -363,6 +364,12 @@ async fn prepare(opts: ServeOptions) -> Result<Ready, ServeError> {
     }
     let cfg = ModelConfig::from_dir(&dir)?;
     let tokenizer = TextTokenizer::from_dir(&dir)?;
+    let chat_template =
+        ChatTemplate::load(&dir, opts.chat_template.as_deref(), tokenizer.config())?;
+    if let Some(w) = chat_template.warning() {
+        eprintln!("warning: {w}");
+        tracing::warn!("{w}");
+    }
     if tokenizer.vocab_size() > cfg.vocab_size {
         return Err(ServeError::Invalid(format!(
             "{} has {} tokens but {} says vocab_size is {}",
@@ -473,6 +480,7 @@ async fn prepare(opts: ServeOptions) -> Result<Ready, ServeError> {
         AppState::new(
             model_name,
             Arc::new(tokenizer),
+            Arc::new(chat_template),
             scheduler.clone(),
             Limits {
                 context_tokens: context,

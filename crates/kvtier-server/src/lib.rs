@@ -15,8 +15,10 @@
 //! Inside:
 //!
 //! * [`routes`]: the endpoints and the router.
-//! * [`openai`]: request and response bodies.
-//! * [`validate`]: request checks, 4xx for every bad field.
+//! * [`openai`]: request and response bodies; [`logprobs`]: their log
+//!   probabilities.
+//! * [`validate`]: request checks, 4xx for every bad field; chat templates
+//!   and tokenizing; [`tokenize`]: `/tokenize` and `/detokenize`.
 //! * [`generate`]: one generation from async code; [`text_stream`]:
 //!   incremental decoding and stop strings; [`sse_stream`]: streaming.
 //! * [`api_error`]: OpenAI-style error bodies, also for extractor
@@ -41,6 +43,7 @@ pub mod auth;
 pub mod conn_limits;
 pub mod generate;
 pub mod launch;
+pub mod logprobs;
 pub mod openai;
 pub mod prefill;
 pub mod routes;
@@ -49,6 +52,7 @@ pub mod serve_options;
 pub mod server_metrics;
 pub mod sse_stream;
 pub mod text_stream;
+pub mod tokenize;
 pub mod validate;
 
 pub use launch::{RunningServer, ServerSummary, ShutdownTrigger, run, start};

@@ -1,15 +1,17 @@
 //! OpenAI API request and response bodies (the subset kvtier serves).
 //!
-//! Fields whose type varies (`prompt`, `stop`, message `content`) are taken
-//! as raw JSON and checked by [`crate::validate`], so a wrong one gets an
-//! error naming it. Every other field lands in [`CommonParams::other`]; one
-//! that asks for something kvtier does not do (`tools`, `logprobs: true`,
-//! a penalty, ...) is a 400 naming it, never silently dropped
-//! ([`crate::validate::check_unsupported`]). Responses carry OpenAI's fields plus an additive `kvtier`
+//! Fields whose type varies (`prompt`, `stop`, message `content`,
+//! `logprobs`) are taken as raw JSON and checked by [`crate::validate`], so
+//! a wrong one gets an error naming it. Every other field lands in
+//! [`CommonParams::other`]; one that asks for something kvtier does not do
+//! (`tools`, `response_format`, ...) is a 400 naming it, never silently
+//! dropped ([`crate::validate::check_unsupported`]). Responses carry OpenAI's fields plus an additive `kvtier`
 //! object (cached tokens per tier, TTFT).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+use crate::logprobs::{ChatLogprobs, CompletionLogprobs};
 
 /// `stream_options`.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -44,6 +46,29 @@ pub struct CommonParams {
     /// vLLM's prefix-cache salt: requests share cached KV only with the
     /// same `cache_salt` (within their tenant).
     pub cache_salt: Option<String>,
+    /// Completions: how many alternatives to report with each token's log
+    /// probability (0 to 20); chat: whether to report log probabilities.
+    pub logprobs: Option<Value>,
+    /// Chat: alternatives per token (0 to 20; needs `logprobs: true`).
+    pub top_logprobs: Option<i64>,
+    /// Completions: the prompt's text before the generated text.
+    pub echo: Option<bool>,
+    /// Keep only the `top_k` most likely tokens (-1 or 0: all).
+    pub top_k: Option<i64>,
+    /// Drop tokens less likely than `min_p` times the most likely (0 to 1).
+    pub min_p: Option<f64>,
+    /// Penalise tokens seen in the prompt or output (> 0; 1: none).
+    pub repetition_penalty: Option<f64>,
+    /// Penalise tokens already generated (-2 to 2).
+    pub presence_penalty: Option<f64>,
+    /// Penalise tokens by how often they were generated (-2 to 2).
+    pub frequency_penalty: Option<f64>,
+    /// Bias added to the logits of token ids (`{"id": -100..100}`).
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Generate past end-of-sequence tokens (vLLM's extension).
+    pub ignore_eos: Option<bool>,
+    /// Name tokens `token_id:<id>` in log probabilities (vLLM's extension).
+    pub return_tokens_as_token_ids: Option<bool>,
     /// Every other field of the request.
     #[serde(flatten)]
     pub other: serde_json::Map<String, Value>,
@@ -76,6 +101,12 @@ pub struct ChatRequest {
     pub messages: Option<Vec<ChatMessageIn>>,
     /// Newer name of `max_tokens`.
     pub max_completion_tokens: Option<i64>,
+    /// End the rendered prompt with the assistant's turn (vLLM's
+    /// extension; default true).
+    pub add_generation_prompt: Option<bool>,
+    /// Further variables for the chat template (vLLM's extension, e.g.
+    /// `{"enable_thinking": false}`).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// The rest.
     #[serde(flatten)]
     pub common: CommonParams,
@@ -135,8 +166,8 @@ pub struct CompletionChoice {
     pub text: String,
     /// Always 0.
     pub index: u32,
-    /// Not supported: always null.
-    pub logprobs: Option<()>,
+    /// Log probabilities of its tokens, when asked for.
+    pub logprobs: Option<CompletionLogprobs>,
     /// "stop" or "length" (null in a streamed chunk before the last).
     pub finish_reason: Option<&'static str>,
 }
@@ -178,8 +209,8 @@ pub struct ChatChoice {
     pub index: u32,
     /// The reply.
     pub message: ChatMessageOut,
-    /// Not supported: always null.
-    pub logprobs: Option<()>,
+    /// Log probabilities of its tokens, when asked for.
+    pub logprobs: Option<ChatLogprobs>,
     /// "stop" or "length".
     pub finish_reason: &'static str,
 }
@@ -221,8 +252,8 @@ pub struct ChatChunkChoice {
     pub index: u32,
     /// The change.
     pub delta: Delta,
-    /// Not supported: always null.
-    pub logprobs: Option<()>,
+    /// Log probabilities of the chunk's tokens, when asked for.
+    pub logprobs: Option<ChatLogprobs>,
     /// Set in the last chunk.
     pub finish_reason: Option<&'static str>,
 }
@@ -261,6 +292,10 @@ pub struct ModelCard {
     pub owned_by: &'static str,
     /// Longest sequence (prompt + generated) served.
     pub max_model_len: usize,
+    /// What a client should know about how the model is served (e.g. no
+    /// chat template of its own); absent when nothing.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 /// `GET /v1/models`.

@@ -11,7 +11,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kvtier_engine::tokenizer::{ChatMessage, TextTokenizer, render_chat};
+use kvtier_engine::chat_template::ChatTemplate;
+use kvtier_engine::tokenizer::{ChatMessage, TextTokenizer};
 use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions, open_device};
 use kvtier_store::RemoteConfig;
 use serde::Serialize;
@@ -68,8 +69,8 @@ pub struct PrefillReport {
     pub computed_tokens: usize,
     /// Prompt tokens that were already cached (in G4 or locally).
     pub cached_tokens: usize,
-    /// Full blocks of the prompt (what a decode node can restore: all but
-    /// the one holding the last token).
+    /// Blocks of the prompt a decode node can restore: its full blocks
+    /// before the last token, and the tail after them (a partial block).
     pub blocks: usize,
     /// Blocks written to G4 by this run.
     pub g4_blocks_written: u64,
@@ -101,19 +102,23 @@ impl std::fmt::Display for PrefillReport {
     }
 }
 
-/// The prompt's token ids, as the server would see them.
+/// The prompt's token ids, as the server would see them (a chat prompt
+/// rendered with the model's chat template).
 fn prompt_tokens(tokenizer: &TextTokenizer, opts: &PrefillOptions) -> Result<Vec<u32>, ServeError> {
-    let text = if opts.chat {
-        render_chat(&[ChatMessage {
+    let ids = if opts.chat {
+        let template = ChatTemplate::load(&opts.model, None, tokenizer.config())?;
+        let message = ChatMessage {
             role: "user".into(),
             content: opts.prompt.clone(),
-        }])
+        };
+        let text = template.render(&[message], true, None).map_err(|e| {
+            ServeError::Invalid(format!("the chat template refused the prompt: {e}"))
+        })?;
+        tokenizer.encode_rendered(&text)
     } else {
-        opts.prompt.clone()
+        tokenizer.encode(&opts.prompt)
     };
-    tokenizer
-        .encode(&text)
-        .map_err(|e| ServeError::engine("cannot tokenize the prompt", e))
+    ids.map_err(|e| ServeError::engine("cannot tokenize the prompt", e))
 }
 
 /// Computes the prompt's KV and waits until it is in G4. A report with
@@ -176,7 +181,9 @@ pub fn prefill(opts: &PrefillOptions) -> Result<PrefillReport, ServeError> {
         prompt_tokens: tokens.len(),
         computed_tokens: p.computed_tokens,
         cached_tokens: p.cached.total(),
-        blocks: (tokens.len() - 1) / bt,
+        // Every full block before the last token, and the tail after them
+        // (partial key).
+        blocks: (tokens.len() - 1).div_ceil(bt),
         g4_blocks_written: m.g4.written_bytes.get() / block_bytes.max(1),
         g4_written_bytes: m.g4.written_bytes.get(),
         g4_dropped_blocks: m.remote.dropped_puts.get(),

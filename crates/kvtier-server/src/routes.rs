@@ -1,7 +1,7 @@
 //! The endpoints: `POST /v1/completions`, `POST /v1/chat/completions`,
-//! `GET /v1/models`, `GET /health`, `GET /metrics`, and the router that
-//! ties them together with the body limit, the error fallbacks and the
-//! request counter.
+//! `POST /tokenize`, `POST /detokenize`, `GET /v1/models`, `GET /health`,
+//! `GET /metrics`, and the router that ties them together with the body
+//! limit, the error fallbacks and the request counter.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,6 +13,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json};
+use kvtier_engine::sampling::Sampled;
 use kvtier_store::MetricsFormat;
 use serde_json::json;
 use tower_http::timeout::RequestBodyTimeoutLayer;
@@ -22,11 +23,13 @@ use crate::app_state::{AppState, unix_now};
 use crate::auth::{self, Tenant, request_salt};
 use crate::conn_limits;
 use crate::generate::{Finish, Generation};
+use crate::logprobs::{ChatLogprobs, CompletionLogprobs, TokenNames};
 use crate::openai::{
     ChatChoice, ChatMessageOut, ChatRequest, ChatResponse, CompletionChoice, CompletionRequest,
     CompletionResponse, KvtierExtras, ModelCard, ModelList, Usage,
 };
 use crate::sse_stream::{StreamMeta, stream_response};
+use crate::tokenize::{self, DetokenizeRequest, TokenizeRequest};
 use crate::validate::{self, Api, Plan};
 
 /// `max_tokens` of a completion when the request has none (OpenAI's).
@@ -47,6 +50,8 @@ pub fn router(state: Shared, max_body_bytes: usize) -> Router {
         ));
     Router::new()
         .merge(generating)
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/models", get(models))
         .route("/v1/models/{model}", get(model))
         .route("/health", get(health))
@@ -90,7 +95,7 @@ async fn completions(
         let state = checked;
         validate::check_model(&state, req.common.model.as_deref())?;
         let prompt = validate::completion_prompt(&state, req.prompt.as_ref())?;
-        let plan = validate::plan(
+        let mut plan = validate::plan(
             &state,
             Api::Completions,
             prompt,
@@ -98,19 +103,29 @@ async fn completions(
             req.common.max_tokens,
             Some(DEFAULT_COMPLETION_MAX_TOKENS),
         )?;
+        if req.common.echo == Some(true) {
+            plan.echo = Some(validate::prompt_text(
+                &state,
+                req.prompt.as_ref(),
+                &plan.prompt,
+            )?);
+        }
         Ok(plan.salted(request_salt(&tenant, req.common.cache_salt.as_deref())))
     })
     .await;
     answer(&state, Api::Completions, plan, arrived, |state, r| {
+        let logprobs = r
+            .names
+            .map(|names| CompletionLogprobs::build(state, names, &r.logprobs, 0).0);
         Json(CompletionResponse {
             id: r.id,
             object: "text_completion",
             created: unix_now(),
             model: state.model_name.clone(),
             choices: vec![CompletionChoice {
-                text: r.text,
+                text: r.echo.unwrap_or_default() + &r.text,
                 index: 0,
-                logprobs: None,
+                logprobs,
                 finish_reason: Some(r.finish.reason),
             }],
             usage: Some(r.usage),
@@ -131,7 +146,12 @@ async fn chat_completions(
     let plan = off_workers(&state, move || {
         let state = checked;
         validate::check_model(&state, req.common.model.as_deref())?;
-        let prompt = validate::chat_prompt(&state, req.messages.as_deref())?;
+        let prompt = validate::chat_prompt(
+            &state,
+            req.messages.as_deref(),
+            req.add_generation_prompt.unwrap_or(true),
+            req.chat_template_kwargs.as_ref(),
+        )?;
         let plan = validate::plan(
             &state,
             Api::Chat,
@@ -144,6 +164,9 @@ async fn chat_completions(
     })
     .await;
     answer(&state, Api::Chat, plan, arrived, |state, r| {
+        let logprobs = r
+            .names
+            .map(|names| ChatLogprobs::build(state, names, &r.logprobs));
         Json(ChatResponse {
             id: r.id,
             object: "chat.completion",
@@ -155,7 +178,7 @@ async fn chat_completions(
                     role: "assistant",
                     content: r.text,
                 },
-                logprobs: None,
+                logprobs,
                 finish_reason: r.finish.reason,
             }],
             usage: r.usage,
@@ -172,10 +195,10 @@ async fn chat_completions(
 /// At most one per core at a time ([`AppState::checks`]): tokenizing takes
 /// about 160 bytes of memory per prompt byte, so the peak stays bounded
 /// however many long prompts arrive together.
-async fn off_workers(
+async fn off_workers<T: Send + 'static>(
     state: &AppState,
-    check: impl FnOnce() -> Result<Plan, ApiError> + Send + 'static,
-) -> Result<Plan, ApiError> {
+    check: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
     let failed =
         |e: &dyn std::fmt::Display| ApiError::internal(format!("checking the request failed: {e}"));
     let _turn = state.checks.acquire().await.map_err(|e| failed(&e))?;
@@ -191,6 +214,12 @@ struct Reply {
     finish: Finish,
     usage: Usage,
     extras: KvtierExtras,
+    /// How to name tokens in log probabilities (`None`: none asked for).
+    names: Option<TokenNames>,
+    /// The generated tokens with their log probabilities.
+    logprobs: Vec<Sampled>,
+    /// The prompt's text, for `echo`.
+    echo: Option<String>,
 }
 
 /// The skeleton both generating endpoints share: a checked request
@@ -198,7 +227,7 @@ struct Reply {
 /// server-sent events of `api`'s chunks, any other is collected and shaped
 /// by `whole`.
 async fn answer(
-    state: &AppState,
+    state: &Shared,
     api: Api,
     plan: Result<Plan, ApiError>,
     arrived: Instant,
@@ -207,6 +236,7 @@ async fn answer(
     let run = async {
         let plan = plan?;
         let (stream, include_usage) = (plan.stream, plan.include_usage);
+        let (names, echo) = (plan.logprobs, plan.echo.clone());
         let mut gen_ = Generation::start(state, plan, arrived).await?;
         let id = state.response_id(api.id_prefix());
         if stream {
@@ -216,20 +246,44 @@ async fn answer(
                 created: unix_now(),
                 model: state.model_name.clone(),
                 include_usage,
+                names,
+                echo,
             };
-            return Ok(stream_response(gen_, meta));
+            return Ok(stream_response(state.clone(), gen_, meta));
         }
-        let (text, finish) = gen_.collect().await?;
+        let (text, finish, logprobs) = gen_.collect().await?;
         let reply = Reply {
             id,
             text,
             finish,
             usage: gen_.usage(finish),
             extras: gen_.extras(),
+            names,
+            logprobs,
+            echo,
         };
         Ok::<_, ApiError>(whole(state, reply))
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn tokenize(State(state): State<Shared>, ApiJson(req): ApiJson<TokenizeRequest>) -> Response {
+    let checked = state.clone();
+    off_workers(&state, move || tokenize::tokenize(&checked, &req))
+        .await
+        .map(Json)
+        .into_response()
+}
+
+async fn detokenize(
+    State(state): State<Shared>,
+    ApiJson(req): ApiJson<DetokenizeRequest>,
+) -> Response {
+    let checked = state.clone();
+    off_workers(&state, move || tokenize::detokenize(&checked, &req))
+        .await
+        .map(Json)
+        .into_response()
 }
 
 fn card(state: &AppState) -> ModelCard {
@@ -239,6 +293,7 @@ fn card(state: &AppState) -> ModelCard {
         created: state.created,
         owned_by: "kvtier",
         max_model_len: state.limits.context_tokens,
+        warnings: state.chat_template.warning().into_iter().collect(),
     }
 }
 

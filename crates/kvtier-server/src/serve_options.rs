@@ -77,6 +77,11 @@ pub struct ServeOptions {
     pub device: String,
     /// Largest request body accepted (larger ones get 413) (default: 4 MiB).
     pub max_body_bytes: u64,
+    /// A Jinja chat template file that replaces the model's own (default:
+    /// the model's: `chat_template.jinja`, else `chat_template` of
+    /// `tokenizer_config.json`, else ChatML with a warning;
+    /// [`kvtier_engine::chat_template`]).
+    pub chat_template: Option<PathBuf>,
 }
 
 impl Default for ServeOptions {
@@ -104,6 +109,7 @@ impl Default for ServeOptions {
             remote: None,
             device: "cpu".into(),
             max_body_bytes: 4 << 20,
+            chat_template: None,
         }
     }
 }

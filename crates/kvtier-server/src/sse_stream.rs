@@ -8,6 +8,7 @@
 //! sequence.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
@@ -15,13 +16,15 @@ use serde::Serialize;
 use tokio::sync::mpsc::Sender;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::app_state::AppState;
 use crate::generate::{Generation, Piece};
+use crate::logprobs::{ChatLogprobs, CompletionLogprobs, TokenNames};
 use crate::openai::{
     ChatChunk, ChatChunkChoice, CompletionChoice, CompletionResponse, Delta, KvtierExtras, Usage,
 };
 use crate::validate::Api;
 
-/// Identity of a stream's chunks.
+/// Identity of a stream's chunks, and what they carry besides text.
 #[derive(Debug, Clone)]
 pub struct StreamMeta {
     /// Which API's chunk objects to send.
@@ -34,10 +37,36 @@ pub struct StreamMeta {
     pub model: String,
     /// Send a usage chunk before `[DONE]`.
     pub include_usage: bool,
+    /// Log probabilities with each chunk, tokens named so (`None`: none).
+    pub names: Option<TokenNames>,
+    /// Completions' `echo`: the prompt's text, sent as the first chunk.
+    pub echo: Option<String>,
+}
+
+/// A chunk's content: text and the log probabilities of its tokens.
+struct ChunkText {
+    text: Option<String>,
+    completion: Option<CompletionLogprobs>,
+    chat: Option<ChatLogprobs>,
+}
+
+impl ChunkText {
+    fn plain(text: Option<String>) -> Self {
+        Self {
+            text,
+            completion: None,
+            chat: None,
+        }
+    }
 }
 
 impl StreamMeta {
-    fn text_chunk(&self, text: Option<String>, finish: Option<&'static str>, first: bool) -> Event {
+    fn text_chunk(&self, c: ChunkText, finish: Option<&'static str>, first: bool) -> Event {
+        let ChunkText {
+            text,
+            completion,
+            chat,
+        } = c;
         match self.api {
             Api::Completions => json_event(&CompletionResponse {
                 id: self.id.clone(),
@@ -47,7 +76,7 @@ impl StreamMeta {
                 choices: vec![CompletionChoice {
                     text: text.unwrap_or_default(),
                     index: 0,
-                    logprobs: None,
+                    logprobs: completion,
                     finish_reason: finish,
                 }],
                 usage: None,
@@ -64,7 +93,7 @@ impl StreamMeta {
                         role: first.then_some("assistant"),
                         content: text,
                     },
-                    logprobs: None,
+                    logprobs: chat,
                     finish_reason: finish,
                 }],
                 usage: None,
@@ -112,29 +141,55 @@ fn error_event(message: &str) -> Event {
 }
 
 /// The streaming response for a started generation.
-pub fn stream_response(gen_: Generation, meta: StreamMeta) -> Response {
+pub fn stream_response(state: Arc<AppState>, gen_: Generation, meta: StreamMeta) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
-    tokio::spawn(drive(gen_, meta, tx));
+    tokio::spawn(drive(state, gen_, meta, tx));
     Sse::new(ReceiverStream::new(rx)).into_response()
 }
 
-async fn drive(mut gen_: Generation, meta: StreamMeta, tx: Sender<Result<Event, Infallible>>) {
+async fn drive(
+    state: Arc<AppState>,
+    mut gen_: Generation,
+    meta: StreamMeta,
+    tx: Sender<Result<Event, Infallible>>,
+) {
     let send = |ev: Event| {
         let tx = tx.clone();
         async move { tx.send(Ok(ev)).await.is_ok() }
     };
-    if meta.api == Api::Chat && !send(meta.text_chunk(Some(String::new()), None, true)).await {
+    let first = match (meta.api, &meta.echo) {
+        (Api::Chat, _) => Some(String::new()),
+        (Api::Completions, Some(echo)) => Some(echo.clone()),
+        (Api::Completions, None) => None,
+    };
+    // Completions' text offsets run on from the echoed prompt.
+    let mut offset = meta.echo.as_deref().map_or(0, |e| e.chars().count());
+    if let Some(text) = first
+        && !send(meta.text_chunk(ChunkText::plain(Some(text)), None, true)).await
+    {
         return;
     }
     loop {
         match gen_.next().await {
-            Ok(Some(Piece::Text(t))) => {
-                if !send(meta.text_chunk(Some(t), None, false)).await {
+            Ok(Some(Piece::Text(t, lp))) => {
+                let mut chunk = ChunkText::plain(Some(t));
+                match (meta.names, meta.api) {
+                    (Some(names), Api::Completions) => {
+                        let (built, next) = CompletionLogprobs::build(&state, names, &lp, offset);
+                        offset = next;
+                        chunk.completion = Some(built);
+                    }
+                    (Some(names), Api::Chat) => {
+                        chunk.chat = Some(ChatLogprobs::build(&state, names, &lp));
+                    }
+                    (None, _) => {}
+                }
+                if !send(meta.text_chunk(chunk, None, false)).await {
                     return;
                 }
             }
             Ok(Some(Piece::Finished(f))) => {
-                if !send(meta.text_chunk(None, Some(f.reason), false)).await {
+                if !send(meta.text_chunk(ChunkText::plain(None), Some(f.reason), false)).await {
                     return;
                 }
                 if meta.include_usage && !send(meta.usage_chunk(gen_.usage(f), gen_.extras())).await

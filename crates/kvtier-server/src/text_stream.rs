@@ -23,14 +23,28 @@ pub struct Detokenizer {
     read: usize,
 }
 
+/// Prompt tokens a [`Detokenizer`] keeps as context (as vLLM's
+/// incremental detokenizer does).
+pub const CONTEXT_TOKENS: usize = 6;
+
 impl Detokenizer {
     /// A detokenizer with no tokens yet.
     pub fn new(tok: Arc<TextTokenizer>) -> Self {
+        Self::after(tok, &[])
+    }
+
+    /// A detokenizer whose text continues `prompt`: its last
+    /// [`CONTEXT_TOKENS`] are decoded with the generated ones and their text
+    /// left out, so a generated token reads as it does after the prompt
+    /// (SentencePiece drops the space of a sequence's first word, but not
+    /// of a word that follows the prompt's).
+    pub fn after(tok: Arc<TextTokenizer>, prompt: &[u32]) -> Self {
+        let context = &prompt[prompt.len().saturating_sub(CONTEXT_TOKENS)..];
         Self {
             tok,
-            ids: Vec::new(),
+            ids: context.to_vec(),
             prefix: 0,
-            read: 0,
+            read: context.len(),
         }
     }
 
@@ -173,6 +187,20 @@ mod tests {
         }
         out.push_str(&d.flush().expect("flush"));
         assert_eq!(out, text);
+    }
+
+    #[test]
+    fn text_after_a_prompt_leaves_the_prompt_out() {
+        let (_d, tok) = tokenizer();
+        let prompt = tok.encode("The prompt ").expect("encode");
+        let gen_ = tok.encode("and more").expect("encode");
+        let mut d = Detokenizer::after(tok, &prompt);
+        let mut out = String::new();
+        for id in gen_ {
+            out.push_str(&d.push(id).expect("push"));
+        }
+        out.push_str(&d.flush().expect("flush"));
+        assert_eq!(out, "and more");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The OpenAI API over real HTTP on 127.0.0.1: completions and chat,
 //! streamed and not, usage with cached tokens, metrics, models, stop
-//! strings, seeds, greedy determinism.
+//! strings, seeds, greedy determinism, log probabilities, sampling fields,
+//! `/tokenize` and `/detokenize`.
 
 // Test helpers may unwrap: a failure there is a test failure.
 #![allow(clippy::unwrap_used)]
@@ -110,8 +111,9 @@ fn chat_stream_matches_the_non_streamed_reply() {
         );
     }
     assert_eq!(
-        usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"], 48,
-        "the second request reuses the first one's full blocks: {usage_chunk}"
+        usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"],
+        whole["usage"]["prompt_tokens"].as_u64().unwrap() - 1,
+        "the second request reuses all of the first one's prompt but its last token: {usage_chunk}"
     );
     assert!(usage_chunk["kvtier"]["ttft_seconds"].as_f64().unwrap() > 0.0);
     let last = &chunks[chunks.len() - 2];
@@ -156,10 +158,10 @@ fn repeated_long_prompt_reports_cached_tokens() {
     let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap();
-    // 200 tokens in 16-token blocks: 12 full blocks, the last prompt token
-    // always recomputed.
-    assert_eq!(cached, 192, "{second}");
-    assert_eq!(second["kvtier"]["cached_tokens"]["g1"], 192, "{second}");
+    // Token-granular reuse: every prompt token but the last, whose logits
+    // must be computed (12 full 16-token blocks and 7 tokens of the 13th).
+    assert_eq!(cached, 199, "{second}");
+    assert_eq!(second["kvtier"]["cached_tokens"]["g1"], 199, "{second}");
     assert_eq!(text_of(&first), text_of(&second), "restored = recomputed");
 
     // Chat too, streamed, with the usage chunk.
@@ -475,4 +477,191 @@ fn a_client_that_goes_away_mid_stream_ends_its_sequence() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     s.assert_serves();
+}
+
+/// A log probability is a number at most 0.
+fn logprob(v: &Value) -> f64 {
+    let l = v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"));
+    assert!(l <= 0.0, "{l}");
+    l
+}
+
+#[test]
+fn completion_logprobs_have_openai_shape_and_name_tokens_by_id_on_request() {
+    let s = Server::start(|_| ());
+    let body = json!({"model": "tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0,
+                      "logprobs": 3, "ignore_eos": true, "return_tokens_as_token_ids": true});
+    let v = complete(&s, body.clone());
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens = lp["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 5, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    for i in 0..5 {
+        let name = tokens[i].as_str().unwrap();
+        let id: u32 = name.strip_prefix("token_id:").unwrap().parse().unwrap();
+        assert!(id < 260, "{name}");
+        let chosen = logprob(&lp["token_logprobs"][i]);
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert_eq!(
+            top.len(),
+            3,
+            "greedy: the chosen token is among the top 3: {top:?}"
+        );
+        // Greedy: the chosen token is the most likely one.
+        let best = top.values().map(logprob).fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(chosen, best);
+        assert_eq!(top[name].as_f64(), Some(chosen));
+    }
+    // Named by their text: the same values, offsets counting characters.
+    let mut by_text = body.clone();
+    by_text["return_tokens_as_token_ids"] = json!(false);
+    let w = complete(&s, by_text);
+    let lp2 = &w["choices"][0]["logprobs"];
+    assert_eq!(lp2["token_logprobs"], lp["token_logprobs"]);
+    let mut offset = 0;
+    for (i, t) in lp2["tokens"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(lp2["text_offset"][i], offset);
+        offset += t.as_str().unwrap().chars().count();
+    }
+    // Streamed: the chunks' logprobs add up to the same.
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let chunks = s.post("/v1/completions", &streamed).sse_data();
+    let got: Vec<Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["token_logprobs"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(Value::Array(got), lp["token_logprobs"]);
+}
+
+#[test]
+fn chat_logprobs_list_each_token_with_its_alternatives() {
+    let s = Server::start(|_| ());
+    let v = chat(
+        &s,
+        json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+               "temperature": 0, "logprobs": true, "top_logprobs": 2, "ignore_eos": true}),
+    );
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 4, "{v}");
+    for e in content {
+        let chosen = logprob(&e["logprob"]);
+        let tops = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(tops.len(), 2);
+        assert!(logprob(&tops[0]["logprob"]) >= logprob(&tops[1]["logprob"]));
+        assert!(
+            (chosen - logprob(&tops[0]["logprob"])).abs() < 1e-6,
+            "greedy picks the top"
+        );
+        let bytes: Vec<u8> = e["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(bytes, e["token"].as_str().unwrap().as_bytes());
+    }
+    // Without logprobs: null.
+    let v = chat(
+        &s,
+        json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    );
+    assert!(v["choices"][0]["logprobs"].is_null());
+}
+
+#[test]
+fn logit_bias_and_echo_shape_the_output() {
+    let s = Server::start(|_| ());
+    // +100 on the token of "z" (the tiny tokenizer has one token per byte):
+    // greedy picks it every time.
+    let z = u32::from(b'z');
+    let v = complete(
+        &s,
+        json!({"model": "tiny", "prompt": "Hello", "max_tokens": 6, "temperature": 0,
+               "logit_bias": {z.to_string(): 100}, "ignore_eos": true}),
+    );
+    assert_eq!(text_of(&v), "zzzzzz", "{v}");
+    // A penalty on repeats moves greedy away from the biased token after it
+    // was generated (frequency 2 per repeat against a +5 bias).
+    let v = complete(
+        &s,
+        json!({"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0,
+               "logit_bias": {z.to_string(): 5}, "frequency_penalty": 2.0,
+               "presence_penalty": 2.0, "ignore_eos": true}),
+    );
+    let text = text_of(&v);
+    assert!(
+        text.starts_with('z') && text.matches('z').count() < 4,
+        "{text}"
+    );
+    // echo: the prompt, then the generated text.
+    let plain = complete(
+        &s,
+        json!({"model": "tiny", "prompt": "Hello", "max_tokens": 3,
+                                    "temperature": 0}),
+    );
+    let echoed = complete(
+        &s,
+        json!({"model": "tiny", "prompt": "Hello", "max_tokens": 3,
+                                     "temperature": 0, "echo": true}),
+    );
+    assert_eq!(text_of(&echoed), format!("Hello{}", text_of(&plain)));
+    // top_k 1 at any temperature is greedy.
+    let topk = complete(
+        &s,
+        json!({"model": "tiny", "prompt": "Hello", "max_tokens": 3,
+                                   "temperature": 1.5, "top_k": 1, "seed": 9}),
+    );
+    assert_eq!(text_of(&topk), text_of(&plain));
+}
+
+#[test]
+fn tokenize_and_detokenize_as_the_generating_endpoints_see_prompts() {
+    let s = Server::start(|_| ());
+    let r = s.post("/tokenize", &json!({"model": "tiny", "prompt": "hi"}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["tokens"], json!([104, 105]));
+    assert_eq!(v["count"], 2);
+    assert_eq!(v["max_model_len"], 512);
+    // A conversation through the preset's ChatML template, as the chat
+    // endpoint renders it; the completion reports the same prompt length.
+    let messages = json!([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]);
+    let v = s.post("/tokenize", &json!({"messages": messages})).json();
+    let ids: Vec<u64> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    let text = s.post("/detokenize", &json!({"tokens": ids})).json()["prompt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(text, "system\nS\nuser\nhi\nassistant\n", "specials skipped");
+    assert_eq!(ids[0], 258, "<|im_start|>");
+    let reply = chat(&s, json!({"messages": messages, "max_tokens": 1}));
+    assert_eq!(reply["usage"]["prompt_tokens"], v["count"]);
+    let v2 = s
+        .post(
+            "/tokenize",
+            &json!({"messages": messages, "add_generation_prompt": false}),
+        )
+        .json();
+    assert_eq!(
+        v2["count"].as_u64().unwrap() + 11,
+        v["count"].as_u64().unwrap(),
+        "the generation prompt is <|im_start|> and the 10 bytes of \"assistant\\n\""
+    );
+    // Bad input: both or neither, ids outside the vocabulary.
+    s.post("/tokenize", &json!({"prompt": "a", "messages": messages}))
+        .assert_error(400, Some("prompt"));
+    s.post("/tokenize", &json!({}))
+        .assert_error(400, Some("prompt"));
+    s.post("/detokenize", &json!({"tokens": [1, 99999]}))
+        .assert_error(400, Some("tokens"));
+    s.post("/detokenize", &json!({"tokens": [-1]}))
+        .assert_error(400, Some("tokens"));
 }

@@ -230,15 +230,8 @@ fn unknown_routes_and_methods_are_json_errors() {
 fn fields_the_server_does_not_implement_are_400_naming_them() {
     let s = Server::start(|_| ());
     for (path, extra, field) in [
-        (COMPLETIONS, json!({"logprobs": 2}), "logprobs"),
-        (COMPLETIONS, json!({"echo": true}), "echo"),
-        (
-            COMPLETIONS,
-            json!({"presence_penalty": 0.5}),
-            "presence_penalty",
-        ),
-        (COMPLETIONS, json!({"logit_bias": {"5": 10}}), "logit_bias"),
-        (COMPLETIONS, json!({"top_k": 40}), "top_k"),
+        (COMPLETIONS, json!({"best_of": 3}), "best_of"),
+        (COMPLETIONS, json!({"suffix": "x"}), "suffix"),
         (COMPLETIONS, json!({"frobnicate": 1}), "frobnicate"),
         (CHAT, json!({"tools": [{"type": "function"}]}), "tools"),
         (
@@ -248,8 +241,8 @@ fn fields_the_server_does_not_implement_are_400_naming_them() {
         ),
         (
             CHAT,
-            json!({"logprobs": true, "top_logprobs": 3}),
-            "logprobs",
+            json!({"continue_final_message": true}),
+            "continue_final_message",
         ),
     ] {
         let mut body = if path == CHAT {
@@ -275,7 +268,8 @@ fn fields_the_server_does_not_implement_are_400_naming_them() {
         COMPLETIONS,
         &json!({"model": "tiny", "prompt": "hi", "max_tokens": 1, "logprobs": null,
                 "echo": false, "presence_penalty": 0, "frequency_penalty": 0.0,
-                "logit_bias": {}, "user": "someone", "top_k": -1, "best_of": 1}),
+                "logit_bias": {}, "user": "someone", "top_k": -1, "best_of": 1,
+                "suffix": ""}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
     let r = s.post(
@@ -285,4 +279,57 @@ fn fields_the_server_does_not_implement_are_400_naming_them() {
                 "response_format": {"type": "text"}}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
+}
+
+#[test]
+fn sampling_and_logprobs_fields_out_of_range_are_400_naming_them() {
+    let s = Server::start(|_| ());
+    for (path, extra, field) in [
+        (COMPLETIONS, json!({"logprobs": 21}), "logprobs"),
+        (COMPLETIONS, json!({"logprobs": "x"}), "logprobs"),
+        (COMPLETIONS, json!({"top_logprobs": 2}), "top_logprobs"),
+        (COMPLETIONS, json!({"echo": true, "logprobs": 1}), "echo"),
+        (
+            COMPLETIONS,
+            json!({"presence_penalty": 2.5}),
+            "presence_penalty",
+        ),
+        (
+            COMPLETIONS,
+            json!({"frequency_penalty": -3}),
+            "frequency_penalty",
+        ),
+        (
+            COMPLETIONS,
+            json!({"repetition_penalty": 0}),
+            "repetition_penalty",
+        ),
+        (COMPLETIONS, json!({"min_p": 1.5}), "min_p"),
+        (COMPLETIONS, json!({"top_k": -2}), "top_k"),
+        (
+            COMPLETIONS,
+            json!({"logit_bias": {"99999": 1}}),
+            "logit_bias",
+        ),
+        (COMPLETIONS, json!({"logit_bias": {"5": 101}}), "logit_bias"),
+        (COMPLETIONS, json!({"logit_bias": {"x": 1}}), "logit_bias"),
+        (CHAT, json!({"top_logprobs": 3}), "top_logprobs"),
+        (
+            CHAT,
+            json!({"logprobs": true, "top_logprobs": 50}),
+            "top_logprobs",
+        ),
+        (CHAT, json!({"logprobs": 3}), "logprobs"),
+        (CHAT, json!({"echo": true}), "echo"),
+    ] {
+        let mut body = if path == CHAT {
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        } else {
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 1})
+        };
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        s.post(path, &body).assert_error(400, Some(field));
+    }
 }

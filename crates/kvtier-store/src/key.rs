@@ -26,6 +26,10 @@ pub const RAWKEY_DOMAIN: &str = "kvtier.rawkey.v1";
 /// Domain string of a request salt added to a chain ([`KeyChain::salted`]).
 pub const SALT_DOMAIN: &str = "kvtier.salt.v1";
 
+/// Domain string of a partial block's key ([`KeyChain::partial`]), so it
+/// never equals a full block's.
+pub const PARTIAL_DOMAIN: &str = "kvtier.partial.v1";
+
 /// The 128-bit name of one KV block (and of the whole prefix it ends).
 ///
 /// `Debug` and `Display` print 32 lower-case hex digits.
@@ -179,6 +183,30 @@ impl KeyChain {
         // Feed tokens through a stack buffer: no allocation per block.
         let mut buf = [0u8; 1024];
         for chunk in block.chunks(buf.len() / 4) {
+            for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            h.update(&buf[..chunk.len() * 4]);
+        }
+        BlockKey(h.digest128().to_le_bytes())
+    }
+
+    /// The key of a **partial** block: the first `tokens.len()` tokens
+    /// (fewer than a block) after the block keyed `prev` (or the seed):
+    /// `XXH3-128(field(PARTIAL_DOMAIN) || field(prev) || field(tokens as
+    /// u32 LE))`. It names exactly that prefix, so a prompt finds it only
+    /// when its tail after its full blocks is those tokens (a repeated
+    /// prompt); its block holds their KV in the first rows, the rest of the
+    /// payload is whatever the page held.
+    pub fn partial(&self, prev: &BlockKey, tokens: &[u32]) -> BlockKey {
+        let mut h = Xxh3Default::new();
+        for field in [PARTIAL_DOMAIN.as_bytes(), &prev.0[..]] {
+            h.update(&(field.len() as u64).to_le_bytes());
+            h.update(field);
+        }
+        h.update(&((tokens.len() * 4) as u64).to_le_bytes());
+        let mut buf = [0u8; 1024];
+        for chunk in tokens.chunks(buf.len() / 4) {
             for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
                 dst.copy_from_slice(&t.to_le_bytes());
             }
@@ -369,6 +397,23 @@ mod tests {
         assert_eq!(chain.salted(b"").seed(), chain.seed());
         assert_ne!(chain.salted(b"a").seed(), chain.salted(b"b").seed());
         assert_ne!(chain.salted(b"a").seed(), chain.seed());
+    }
+
+    #[test]
+    fn golden_partial_keys() {
+        let chain = golden_chain();
+        let k0 = chain.keys(&[0, 1, 2, 3])[0];
+        assert_eq!(
+            chain.partial(&k0, &[4, 5, 6]).to_hex(),
+            "9a36497c88f23d68800e7ffa9240bcdb"
+        );
+        assert_eq!(
+            chain.partial(&chain.seed(), &[0]).to_hex(),
+            "c1b66096742d8c8ec06507235fc72e1e"
+        );
+        // Never a full block's key, and every token counts.
+        assert_ne!(chain.partial(&chain.seed(), &[0, 1, 2, 3]), k0);
+        assert_ne!(chain.partial(&k0, &[4, 5]), chain.partial(&k0, &[4, 5, 6]));
     }
 
     #[test]

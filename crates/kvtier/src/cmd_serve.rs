@@ -126,6 +126,18 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
     pub device: String,
 
+    /// A Jinja chat template file to use instead of the model's own
+    /// (`chat_template.jinja`, else `chat_template` of
+    /// tokenizer_config.json; a model with neither gets ChatML and a
+    /// warning).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+
+    /// CPU threads the engine computes with [default: the physical cores,
+    /// as candle counts them; or RAYON_NUM_THREADS when set].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub threads: Option<u32>,
+
     /// Largest request body accepted (larger ones get 413).
     #[arg(long, value_name = "SIZE", default_value = "4MiB", value_parser = parse_size)]
     pub max_body_bytes: u64,
@@ -185,6 +197,7 @@ impl ServeArgs {
             remote: self.remote.config(),
             device: self.device.clone(),
             max_body_bytes: self.max_body_bytes,
+            chat_template: self.chat_template.clone(),
             conn_limits: ConnLimits {
                 max_connections: self.max_connections as usize,
                 header_timeout: Duration::from_millis(self.header_timeout_ms),

@@ -72,8 +72,6 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvtier_engine::fix_cpu_threads() };
     // `serve` settings from KVTIER_* variables and --config become flags
     // ahead of the command line (serve_config.rs).
     let argv =
@@ -85,6 +83,12 @@ fn main() -> ExitCode {
             }
         };
     let cli = Cli::parse_from(argv);
+    let threads = match &cli.command {
+        Command::Serve(args) => args.threads.map(|n| n as usize),
+        _ => None,
+    };
+    // SAFETY: before any thread starts (parsing the arguments starts none).
+    unsafe { kvtier_engine::fix_cpu_threads(threads) };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -81,12 +81,12 @@ fn sigterm_finishes_the_stream_in_flight_and_flushes_the_cache_to_g3() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
-    assert_eq!(v["kvtier"]["cached_tokens"]["g3"], 288, "{v}");
-    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 288);
+    assert_eq!(v["kvtier"]["cached_tokens"]["g3"], 299, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 299);
     assert!(v["kvtier"]["restored_bytes"].as_u64().unwrap() > 0, "{v}");
     let metrics = s2.get("/metrics").text();
     assert!(
-        metrics.contains("kvtier_server_cached_prompt_tokens_total{tier=\"g3\"} 288"),
+        metrics.contains("kvtier_server_cached_prompt_tokens_total{tier=\"g3\"} 299"),
         "{metrics}"
     );
     // SIGINT stops it the same way.
@@ -121,7 +121,7 @@ fn g3_tokens_after_kill_9(sync_ms: &str, wait_ms: u64) -> u64 {
 #[test]
 fn kill_9_after_the_write_back_bound_loses_no_computed_block() {
     // Ten bounds after the answer: every full block of the prompt is on G3.
-    assert_eq!(g3_tokens_after_kill_9("200", 2000), 288);
+    assert_eq!(g3_tokens_after_kill_9("200", 2000), 299);
     // The control: without the bound, the blocks never left G2.
     assert_eq!(g3_tokens_after_kill_9("0", 2000), 0);
 }
