@@ -390,7 +390,7 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
             rec.llamacpp.append(dt)
             r, dt = lc.complete(port, ids)
             hit.llamacpp.append(dt)
-            cached["llamacpp_hit"].append(int(r.get("tokens_cached", r["timings"].get("cache_n", 0))))
+            cached["llamacpp_hit"].append(int(r["timings"]["cache_n"]))
             lc.slot(port, "save", f"p{i}.bin")
         log(f"  llama.cpp: recompute {rec.llamacpp} s, hit {hit.llamacpp} s")
     finally:
@@ -419,7 +419,7 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
             t_restore = lc.slot(port, "restore", f"p{i}.bin")
             r, dt = lc.complete(port, ids)
             disk.llamacpp.append(t_restore + dt)
-            cached["llamacpp_restore"].append(int(r.get("tokens_cached", r["timings"].get("cache_n", 0))))
+            cached["llamacpp_restore"].append(int(r["timings"]["cache_n"]))
         log(f"  llama.cpp: restore {disk.llamacpp} s")
     finally:
         proc.stop()
@@ -455,7 +455,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'metric':<22} {'threads':>7} {'kvtier':>12} {'llama.cpp':>12} {'ratio':>7}"]
     for r in rows:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
-        lines.append(f"{r['metric']:<22} {r['threads']:>7} {r['kvtier']:>12.4g} {r['llamacpp']:>12.4g} {ratio:>7}")
+        fmt = ".1f" if r["metric"].endswith("tok_s") else ".4f"
+        lines.append(f"{r['metric']:<22} {r['threads']:>7} {r['kvtier']:>12{fmt}} {r['llamacpp']:>12{fmt}} {ratio:>7}")
     return "\n".join(lines)
 
 
@@ -465,7 +466,7 @@ def parse_args() -> argparse.Namespace:
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("--json", action="store_true", help="the results as JSON on stdout (progress on stderr)")
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: 1 repeat, 512-token prompts, 16 decode tokens, threads 1")
+                    help="a smoke run: 1 repeat, a 512-token prefill, a 600-token TTFT prompt, 16 decode tokens, threads 1")
     ap.add_argument("--kvtier", metavar="PATH", help="the kvtier binary (default: target/release/kvtier)")
     ap.add_argument("--threads", default=None, help="thread counts, comma-separated (default: 1,2)")
     ap.add_argument("--ttft-threads", default=None,
@@ -477,9 +478,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--size", default="100m", choices=["tiny", "100m"], help="make_model.py's size (default 100m)")
     ap.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
                     help="leave the page cache alone before the restarted servers")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="where the logs, kvtier's G3 and llama.cpp's slot files go, on the disk to measure "
+                         "(default: a new temp dir, removed after a successful run)")
     ap.add_argument("--keep-work", action="store_true", help="keep the work directory (logs, caches, slot files)")
     a = ap.parse_args()
-    quick = {"threads": "1", "repeats": 1, "prefill_tokens": 512, "decode_tokens": 16, "ttft_tokens": 512}
+    quick = {"threads": "1", "repeats": 1, "prefill_tokens": 512, "decode_tokens": 16, "ttft_tokens": 600}
     full = {"threads": "1,2", "repeats": 3, "prefill_tokens": 2048, "decode_tokens": 64, "ttft_tokens": 2000}
     for k, v in (quick if a.quick else full).items():
         if getattr(a, k) is None:
@@ -505,7 +509,9 @@ def main() -> int:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-llamacpp-"))
+    if a.work_dir:
+        a.work_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-llamacpp-", dir=a.work_dir))
     logs = work / "logs"
     logs.mkdir()
     kv = Kvtier(binary, hf_dir, logs, threads_flag)
