@@ -501,6 +501,9 @@ def main() -> int:
     def on_signal(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
+    # Every way out stops the servers (the finally blocks); SIGINT too when
+    # a non-interactive shell started this in the background (ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
 
@@ -564,5 +567,8 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
+    except KeyboardInterrupt:
+        log("interrupted: every server this script started is stopped")
+        sys.exit(130)
     finally:
         Proc.stop_all()
