@@ -366,6 +366,9 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
     cached: dict[str, list[int]] = {k: [] for k in (
         "kvtier_hit", "kvtier_restore", "llamacpp_hit", "llamacpp_restore")}
     restore_tiers: list[dict[str, int]] = []
+    # The servers' own figures beside the client's: kvtier.ttft_seconds;
+    # llama.cpp's timings.prompt_ms (plus the restore call's time).
+    server: dict[str, list[float]] = {f"{e}_{m}": [] for e in ("kvtier", "llamacpp") for m in ("rec", "hit", "disk")}
 
     # kvtier: recompute, G1 hit; SIGTERM writes the cache to disk.
     proc, port = kv.start(threads, kv_cache, no_prefix_reuse=False)
@@ -374,8 +377,10 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
         for ids in prompts:
             r, dt = kv.complete(port, ids)
             rec.kvtier.append(dt)
+            server["kvtier_rec"].append(r["kvtier"]["ttft_seconds"])
             r, dt = kv.complete(port, ids)
             hit.kvtier.append(dt)
+            server["kvtier_hit"].append(r["kvtier"]["ttft_seconds"])
             cached["kvtier_hit"].append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
         log(f"  kvtier: recompute {rec.kvtier} s, G1 hit {hit.kvtier} s")
     finally:
@@ -388,8 +393,10 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
         for i, ids in enumerate(prompts):
             r, dt = lc.complete(port, ids)
             rec.llamacpp.append(dt)
+            server["llamacpp_rec"].append(r["timings"]["prompt_ms"] / 1000)
             r, dt = lc.complete(port, ids)
             hit.llamacpp.append(dt)
+            server["llamacpp_hit"].append(r["timings"]["prompt_ms"] / 1000)
             cached["llamacpp_hit"].append(int(r["timings"]["cache_n"]))
             lc.slot(port, "save", f"p{i}.bin")
         log(f"  llama.cpp: recompute {rec.llamacpp} s, hit {hit.llamacpp} s")
@@ -404,6 +411,7 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
         for ids in prompts:
             r, dt = kv.complete(port, ids)
             disk.kvtier.append(dt)
+            server["kvtier_disk"].append(r["kvtier"]["ttft_seconds"])
             cached["kvtier_restore"].append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
             restore_tiers.append(r["kvtier"]["cached_tokens"])
         log(f"  kvtier: restore {disk.kvtier} s, cached tokens by tier {restore_tiers}")
@@ -419,11 +427,14 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
             t_restore = lc.slot(port, "restore", f"p{i}.bin")
             r, dt = lc.complete(port, ids)
             disk.llamacpp.append(t_restore + dt)
+            server["llamacpp_disk"].append(t_restore + r["timings"]["prompt_ms"] / 1000)
             cached["llamacpp_restore"].append(int(r["timings"]["cache_n"]))
         log(f"  llama.cpp: restore {disk.llamacpp} s")
     finally:
         proc.stop()
 
+    for row, m in ((rec, "rec"), (hit, "hit"), (disk, "disk")):
+        row.extra |= {"kvtier_server_s": server[f"kvtier_{m}"], "llamacpp_server_s": server[f"llamacpp_{m}"]}
     hit.extra |= {"kvtier_cached_tokens": cached["kvtier_hit"], "llamacpp_cached_tokens": cached["llamacpp_hit"]}
     disk.extra |= {"kvtier_cached_tokens": cached["kvtier_restore"],
                    "kvtier_cached_tokens_by_tier": restore_tiers,
@@ -544,7 +555,7 @@ def main() -> int:
         "rows": [r.as_json() for r in rows],
         "model": {"size": a.size, "dtype": "f32", "hf": "python/vllm_tests/make_model.py",
                   "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32"},
-        "llamacpp": f"llama-cpp-python {setup_llamacpp.LLAMA_CPP_PYTHON_VERSION} sdist's vendor/llama.cpp, "
+        "llamacpp_build": f"llama-cpp-python {setup_llamacpp.LLAMA_CPP_PYTHON_VERSION} sdist's vendor/llama.cpp, "
                     "cmake Release CPU",
         "kvtier_threads": "--threads" if threads_flag else "RAYON_NUM_THREADS",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
