@@ -364,7 +364,7 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
     slots = work / f"slots-{threads}"
     slots.mkdir()
     cached: dict[str, list[int]] = {k: [] for k in (
-        "kvtier_hit", "kvtier_restore", "llamacpp_hit", "llamacpp_restore")}
+        "kvtier_rec", "kvtier_hit", "kvtier_restore", "llamacpp_rec", "llamacpp_hit", "llamacpp_restore")}
     restore_tiers: list[dict[str, int]] = []
     # The servers' own figures beside the client's: kvtier.ttft_seconds;
     # llama.cpp's timings.prompt_ms (plus the restore call's time).
@@ -378,6 +378,7 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
             r, dt = kv.complete(port, ids)
             rec.kvtier.append(dt)
             server["kvtier_rec"].append(r["kvtier"]["ttft_seconds"])
+            cached["kvtier_rec"].append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
             r, dt = kv.complete(port, ids)
             hit.kvtier.append(dt)
             server["kvtier_hit"].append(r["kvtier"]["ttft_seconds"])
@@ -394,6 +395,7 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
             r, dt = lc.complete(port, ids)
             rec.llamacpp.append(dt)
             server["llamacpp_rec"].append(r["timings"]["prompt_ms"] / 1000)
+            cached["llamacpp_rec"].append(int(r["timings"]["cache_n"]))
             r, dt = lc.complete(port, ids)
             hit.llamacpp.append(dt)
             server["llamacpp_hit"].append(r["timings"]["prompt_ms"] / 1000)
@@ -435,6 +437,7 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
 
     for row, m in ((rec, "rec"), (hit, "hit"), (disk, "disk")):
         row.extra |= {"kvtier_server_s": server[f"kvtier_{m}"], "llamacpp_server_s": server[f"llamacpp_{m}"]}
+    rec.extra |= {"kvtier_cached_tokens": cached["kvtier_rec"], "llamacpp_cached_tokens": cached["llamacpp_rec"]}
     hit.extra |= {"kvtier_cached_tokens": cached["kvtier_hit"], "llamacpp_cached_tokens": cached["llamacpp_hit"]}
     disk.extra |= {"kvtier_cached_tokens": cached["kvtier_restore"],
                    "kvtier_cached_tokens_by_tier": restore_tiers,
