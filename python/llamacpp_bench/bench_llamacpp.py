@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testing"))
 
 import setup_llamacpp  # noqa: E402
 from make_model import text  # noqa: E402
@@ -556,7 +556,7 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     out = {
         "rows": [r.as_json() for r in rows],
-        "model": {"size": a.size, "dtype": "f32", "hf": "python/vllm_tests/make_model.py",
+        "model": {"size": a.size, "dtype": "f32", "hf": "python/testing/make_model.py",
                   "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32"},
         "llamacpp_build": f"llama-cpp-python {setup_llamacpp.LLAMA_CPP_PYTHON_VERSION} sdist's vendor/llama.cpp, "
                     "cmake Release CPU",

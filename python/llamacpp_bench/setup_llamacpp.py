@@ -1,6 +1,6 @@
 """The cached pieces of scripts/bench-llamacpp: llama.cpp built from the
 tree inside the ``llama-cpp-python`` sdist, the random 100 M-parameter
-Llama in Hugging Face format (python/vllm_tests/make_model.py) and its
+Llama in Hugging Face format (python/testing/make_model.py) and its
 GGUF f32 conversion by llama.cpp's own ``convert_hf_to_gguf.py``.
 
 Each lives in a directory under ``${XDG_CACHE_HOME:-$HOME/.cache}/kvtier/``
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MAKE_MODEL = REPO / "python" / "vllm_tests" / "make_model.py"
+MAKE_MODEL = REPO / "python" / "testing" / "make_model.py"
 
 #: The llama-cpp-python release whose vendored llama.cpp tree is built.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
