@@ -76,7 +76,8 @@ def cached(dir: Path, what: str, make: Callable[[Path], None]) -> Path:
 
 
 def run(cmd: list[str | Path], **kw: object) -> None:
-    log("+ " + " ".join(str(c) for c in cmd))
+    shown = ["<code>" if prev == "-c" else str(c) for prev, c in zip(["", *cmd], cmd)]
+    log("+ " + " ".join(shown))
     subprocess.run([str(c) for c in cmd], check=True, **kw)  # type: ignore[call-overload]
 
 
