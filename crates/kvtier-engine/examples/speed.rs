@@ -1,6 +1,6 @@
 //! Prefill and decode speed of a model directory (default: writes the
 //! `small` preset to a temp dir): `cargo run --release -p kvtier-engine
-//! --example speed -- [MODEL_DIR] [PROMPT_TOKENS]`.
+//! --example speed -- [MODEL_DIR] [PROMPT_TOKENS] [DECODE_STEPS]`.
 
 use std::time::Instant;
 
@@ -39,7 +39,7 @@ fn main() -> Result<(), EngineError> {
         n as f64 / pf
     );
     let mut next = argmax(&p.logits);
-    let steps = 32;
+    let steps: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(32);
     let t = Instant::now();
     for _ in 0..steps {
         let l = e.decode(&[(p.seq, next)])?;

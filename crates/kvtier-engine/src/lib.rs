@@ -3,7 +3,8 @@
 //!
 //! * [`model_config`]: `config.json` of Llama / Qwen2 / Mistral models.
 //! * [`weights`]: loading through kvtier-io's parallel loader.
-//! * [`model`], [`attention`], [`rope`]: the forward pass over paged KV.
+//! * [`model`], [`attention`], [`rope`]: the forward pass over paged KV;
+//!   [`gemv`]: its decode-step projections, hand-written.
 //! * [`kv_pool`], [`prefix_cache`]: G1 pages and their prefix index.
 //! * [`engine`]: sequences, the batched step (decode and prefill chunks),
 //!   offload to the store; [`prefix_restore`]: restoring prefixes from the
@@ -17,6 +18,7 @@ pub mod chat_template;
 pub mod device;
 pub mod engine;
 pub mod engine_error;
+pub mod gemv;
 pub mod kv_pool;
 pub mod model;
 pub mod model_config;

@@ -60,6 +60,15 @@ pub struct Model {
     device: Device,
 }
 
+/// `x Wᵀ + b`: by the decode kernel for a few rows ([`crate::gemv`]), by
+/// candle's gemm otherwise.
+fn project(lin: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
+    match crate::gemv::linear(x, lin.weight(), lin.bias())? {
+        Some(y) => Ok(y),
+        None => lin.forward(x),
+    }
+}
+
 /// Takes `{prefix}.{name}.weight` of `shape` and its bias when `bias`.
 fn take_linear(
     w: &mut Weights,
@@ -224,7 +233,7 @@ impl Model {
         let inter = cfg.intermediate_size;
         for (li, layer) in self.layers.iter().enumerate() {
             let hn = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
-            let qkv = layer.qkv.forward(&hn)?;
+            let qkv = project(&layer.qkv, &hn)?;
             let mut outs = Vec::with_capacity(segs.len());
             let mut off = 0;
             for (s, (full, win)) in segs.iter().zip(&masks) {
@@ -264,17 +273,17 @@ impl Model {
             } else {
                 Tensor::cat(&outs, 0)?
             };
-            x = (x + layer.o.forward(&attn)?)?;
+            x = (x + project(&layer.o, &attn)?)?;
             let hn = candle_nn::ops::rms_norm(&x, &layer.post_norm, eps)?;
-            let gu = layer.gate_up.forward(&hn)?;
+            let gu = project(&layer.gate_up, &hn)?;
             let act =
                 (candle_nn::ops::silu(&gu.narrow(1, 0, inter)?)? * gu.narrow(1, inter, inter)?)?;
-            x = (x + layer.down.forward(&act)?)?;
+            x = (x + project(&layer.down, &act.contiguous()?)?)?;
         }
         let idx = Tensor::from_vec(lasts, segs.len(), &self.device)?;
         let last = x.index_select(&idx, 0)?;
         let last = candle_nn::ops::rms_norm(&last, &self.norm, eps)?;
-        Ok(self.lm_head.forward(&last)?.to_dtype(DType::F32)?)
+        Ok(project(&self.lm_head, &last)?.to_dtype(DType::F32)?)
     }
 
     /// Argmax over the last dimension of `(n, vocab)` logits.

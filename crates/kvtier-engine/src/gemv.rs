@@ -1,0 +1,228 @@
+//! The projections of a decode step: `y = x Wᵀ (+ b)` for a few rows of
+//! `x` (one per decoding sequence), hand-written.
+//!
+//! Why not candle's matmul here: a decode step reads every weight once for
+//! one row of activations, so it is bound by memory bandwidth, and the gemm
+//! crate behind candle neither splits an `m = 1` product over threads nor
+//! streams the weights at the bandwidth one core gets: on the reference VM
+//! a 76 M-parameter f32 model decoded 27-31 tok/s at 1 and 2 threads alike,
+//! where llama.cpp's dot-product kernels reach 36 and 55 (scripts/bench-llamacpp,
+//! docs/benchmarks.md). This kernel streams each weight row once through
+//! FMA dot products with every row of `x` (kept in L1), and splits the
+//! output rows over the rayon pool (`--threads`). Prefill chunks (many
+//! rows, compute-bound) stay on candle's packed gemm.
+
+use candle_core::{CpuStorage, DType, Storage, Tensor};
+use rayon::prelude::*;
+
+/// Most rows of `x` this kernel takes; above it the product is
+/// compute-bound enough for the packed gemm.
+pub const MAX_ROWS: usize = 8;
+
+/// Output rows per unit of work handed to the pool (enough to amortise
+/// its dispatch, small enough to balance two threads).
+const ROWS_PER_TASK: usize = 64;
+
+/// `x Wᵀ + b` for `x` `(m, k)` with `m <= MAX_ROWS`, `w` `(n, k)`, `b`
+/// `(n)`, all contiguous f32 on the CPU; `None` when the case is not
+/// this kernel's (the caller uses candle's matmul).
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Option<Tensor>> {
+    let (m, k) = x.dims2()?;
+    let (n, kw) = w.dims2()?;
+    let plain = |t: &Tensor| t.dtype() == DType::F32 && t.is_contiguous() && t.device().is_cpu();
+    if m == 0
+        || m > MAX_ROWS
+        || k != kw
+        || !plain(x)
+        || !plain(w)
+        || b.is_some_and(|b| !plain(b) || b.elem_count() != n)
+    {
+        return Ok(None);
+    }
+    // The read guards are held for the whole product.
+    let (xg, xl) = x.storage_and_layout();
+    let (wg, wl) = w.storage_and_layout();
+    let bg = b.map(|b| b.storage_and_layout());
+    let (Some(xs), Some(ws)) = (
+        f32_data(&xg, xl.start_offset(), m * k),
+        f32_data(&wg, wl.start_offset(), n * k),
+    ) else {
+        return Ok(None);
+    };
+    let bias = match &bg {
+        Some((g, l)) => match f32_data(g, l.start_offset(), n) {
+            Some(s) => Some(s),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    // Transposed output: row j of W gives the m values y[.., j] side by
+    // side, so each task owns one contiguous stretch.
+    let mut yt = vec![0f32; n * m];
+    let job = |(task, out): (usize, &mut [f32])| {
+        let first = task * ROWS_PER_TASK;
+        for (i, ys) in out.chunks_exact_mut(m).enumerate() {
+            let j = first + i;
+            let wrow = &ws[j * k..(j + 1) * k];
+            for (r, y) in ys.iter_mut().enumerate() {
+                *y = dot(wrow, &xs[r * k..(r + 1) * k]) + bias.map_or(0.0, |b| b[j]);
+            }
+        }
+    };
+    if rayon::current_num_threads() > 1 {
+        yt.par_chunks_mut(ROWS_PER_TASK * m)
+            .enumerate()
+            .for_each(job);
+    } else {
+        yt.chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(job);
+    }
+    drop((xg, wg, bg));
+    let y = if m == 1 {
+        yt
+    } else {
+        let mut y = vec![0f32; m * n];
+        for (j, ys) in yt.chunks_exact(m).enumerate() {
+            for (r, v) in ys.iter().enumerate() {
+                y[r * n + j] = *v;
+            }
+        }
+        y
+    };
+    Tensor::from_vec(y, (m, n), x.device()).map(Some)
+}
+
+/// `len` f32 values of a CPU storage from element `start`.
+fn f32_data(storage: &Storage, start: usize, len: usize) -> Option<&[f32]> {
+    match storage {
+        Storage::Cpu(CpuStorage::F32(v)) => v.get(start..start + len),
+        _ => None,
+    }
+}
+
+/// `Σ a[i] * b[i]`.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            return unsafe { dot_avx2(a, b) };
+        }
+    }
+    dot_portable(a, b)
+}
+
+/// Eight running sums, so the compiler can keep them in vector lanes.
+fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// [`dot`] with four 8-wide FMA accumulators.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len().min(b.len());
+    let blocks = n / 32;
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    // SAFETY: every load reads 8 floats at an offset below `blocks * 32
+    // <= n`, inside both slices; loadu has no alignment requirement.
+    let mut sum = unsafe {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for i in 0..blocks {
+            let o = i * 32;
+            for (u, acc) in acc.iter_mut().enumerate() {
+                let x = _mm256_loadu_ps(pa.add(o + 8 * u));
+                let y = _mm256_loadu_ps(pb.add(o + 8 * u));
+                *acc = _mm256_fmadd_ps(x, y, *acc);
+            }
+        }
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let lanes: [f32; 8] = std::mem::transmute(s);
+        lanes.iter().sum::<f32>()
+    };
+    for i in blocks * 32..n {
+        sum += a[i] * b[i];
+    }
+    sum
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use candle_nn::{Linear, Module};
+
+    fn values(n: usize, seed: f32) -> Vec<f32> {
+        (0..n)
+            .map(|i| (i as f32 * 0.37 + seed).sin() * 0.5)
+            .collect()
+    }
+
+    #[test]
+    fn equals_candles_linear_for_every_small_batch_and_odd_widths() {
+        let dev = Device::Cpu;
+        for (m, n, k) in [(1, 130, 77), (3, 64, 768), (8, 200, 33), (1, 1, 1)] {
+            let x = Tensor::from_vec(values(m * k, 1.0), (m, k), &dev).unwrap();
+            let w = Tensor::from_vec(values(n * k, 2.0), (n, k), &dev).unwrap();
+            let b = Tensor::from_vec(values(n, 3.0), n, &dev).unwrap();
+            for bias in [None, Some(&b)] {
+                let want = Linear::new(w.clone(), bias.cloned()).forward(&x).unwrap();
+                let got = linear(&x, &w, bias).unwrap().unwrap();
+                let (want, got): (Vec<f32>, Vec<f32>) = (
+                    want.flatten_all().unwrap().to_vec1().unwrap(),
+                    got.flatten_all().unwrap().to_vec1().unwrap(),
+                );
+                for (a, b) in want.iter().zip(&got) {
+                    assert!(
+                        (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                        "{m}x{n}x{k}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn other_cases_are_left_to_candle() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((MAX_ROWS + 1, 4), DType::F32, &dev).unwrap();
+        let w = Tensor::zeros((3, 4), DType::F32, &dev).unwrap();
+        assert!(linear(&x, &w, None).unwrap().is_none(), "too many rows");
+        let x16 = Tensor::zeros((1, 4), DType::F16, &dev).unwrap();
+        assert!(linear(&x16, &w, None).unwrap().is_none(), "not f32");
+        let strided = Tensor::zeros((4, 2), DType::F32, &dev)
+            .unwrap()
+            .t()
+            .unwrap();
+        assert!(
+            linear(&strided, &w, None).unwrap().is_none(),
+            "not contiguous"
+        );
+    }
+
+    #[test]
+    fn dot_kernels_agree() {
+        for n in [0, 1, 7, 31, 32, 33, 100, 1000] {
+            let (a, b) = (values(n, 0.5), values(n, 1.5));
+            let plain: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+            assert!((dot(&a, &b) - plain).abs() < 1e-3, "{n}");
+            assert!((dot_portable(&a, &b) - plain).abs() < 1e-3, "{n}");
+        }
+    }
+}
