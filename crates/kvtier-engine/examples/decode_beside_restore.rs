@@ -125,6 +125,7 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 fn main() {
     // SAFETY: first thing in main, before any thread starts.
     unsafe { kvtier_engine::fix_cpu_threads(None) };
+    kvtier_engine::tune_host_allocator();
     if let Err(e) = run() {
         eprintln!("error: {e}");
         std::process::exit(1);

@@ -11,6 +11,7 @@ use kvtier_engine::{Engine, EngineError, EngineOptions, Preset, StoreOptions, wr
 fn main() -> Result<(), EngineError> {
     // SAFETY: first thing in main, before any thread starts.
     unsafe { kvtier_engine::fix_cpu_threads(None) };
+    kvtier_engine::tune_host_allocator();
     let args: Vec<String> = std::env::args().collect();
     let tmp = std::env::temp_dir();
     let dir = match args.get(1).filter(|s| !s.is_empty()) {

@@ -10,6 +10,7 @@ use kvtier_engine::{Engine, EngineError, EngineOptions, Preset, write_preset};
 fn main() -> Result<(), EngineError> {
     // SAFETY: first thing in main, before any thread starts.
     unsafe { kvtier_engine::fix_cpu_threads(None) };
+    kvtier_engine::tune_host_allocator();
     let args: Vec<String> = std::env::args().collect();
     let tmp = std::env::temp_dir().join("kvtier-speed-small");
     let dir = match args.get(1) {

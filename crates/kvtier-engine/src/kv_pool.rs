@@ -298,6 +298,66 @@ impl KvPool {
         Ok(())
     }
 
+    /// Element offset of token row `offset` of `page` for KV head `head` in
+    /// a layer's K (or V) memory.
+    pub(crate) fn row_elem(&self, page: PageId, head: usize, offset: usize) -> usize {
+        self.row(page, head, offset) * self.head_dim
+    }
+
+    /// Runs `f` over the K and V memory of `layer` (on the CPU; `None`
+    /// elsewhere), as laid out in the module docs.
+    pub(crate) fn with_layer<R>(
+        &self,
+        layer: usize,
+        f: impl FnOnce(&[f32], &[f32]) -> R,
+    ) -> Option<R> {
+        let (kg, kl) = self.k.get(layer)?.storage_and_layout();
+        let (vg, vl) = self.v.get(layer)?.storage_and_layout();
+        match (&*kg, &*vg) {
+            (Storage::Cpu(CpuStorage::F32(k)), Storage::Cpu(CpuStorage::F32(v))) => {
+                Some(f(&k[kl.start_offset()..], &v[vl.start_offset()..]))
+            }
+            _ => None,
+        }
+    }
+
+    /// Writes one token's K and V (`kv_heads * head_dim` values each, head
+    /// by head) at absolute position `pos` of a sequence whose pages are
+    /// `table`: the decode step's KV write, on the CPU.
+    pub(crate) fn write_token(
+        &self,
+        layer: usize,
+        table: &[PageId],
+        pos: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), EngineError> {
+        let bt = self.block_tokens;
+        let page = *table.get(pos / bt).ok_or_else(|| {
+            EngineError::PoolExhausted(format!(
+                "no page for position {pos} (table has {})",
+                table.len()
+            ))
+        })?;
+        let want = self.kv_heads * self.head_dim;
+        if k.len() != want || v.len() != want || layer >= self.k.len() {
+            return Err(EngineError::Request(
+                "a token's K/V does not fit the pool".into(),
+            ));
+        }
+        let at: Vec<usize> = (0..self.kv_heads)
+            .map(|h| self.row_elem(page, h, pos % bt))
+            .collect();
+        for (t, data) in [(&self.k[layer], k), (&self.v[layer], v)] {
+            t.inplace_op1(&WriteRows {
+                at: &at,
+                width: self.head_dim,
+                data,
+            })?;
+        }
+        Ok(())
+    }
+
     /// Copies the first `rows` token rows of page `src` (every layer, K and
     /// V, every head) into page `dst`: how a prompt takes the tokens it
     /// shares with a cached page without sharing the page (the rest of
@@ -393,6 +453,36 @@ impl InplaceOp1 for WritePage<'_> {
             .get_mut(from..from + self.bytes.len() / 4)
             .ok_or_else(|| candle_core::Error::Msg("page outside the pool".into()))?;
         bytemuck::cast_slice_mut(dst).copy_from_slice(self.bytes);
+        Ok(())
+    }
+}
+
+/// Writes `data` (`at.len()` rows of `width` values) into a CPU tensor's
+/// memory, row `i` at element `at[i]` (of its contiguous storage).
+struct WriteRows<'a> {
+    at: &'a [usize],
+    width: usize,
+    data: &'a [f32],
+}
+
+impl InplaceOp1 for WriteRows<'_> {
+    fn name(&self) -> &'static str {
+        "kvtier-write-rows"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(all) = storage else {
+            return Err(candle_core::Error::Msg("KV pool is not f32".into()));
+        };
+        let Some((start, _)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::Msg("KV pool is not contiguous".into()));
+        };
+        for (&at, row) in self.at.iter().zip(self.data.chunks_exact(self.width)) {
+            let from = start + at;
+            all.get_mut(from..from + self.width)
+                .ok_or_else(|| candle_core::Error::Msg("row outside the pool".into()))?
+                .copy_from_slice(row);
+        }
         Ok(())
     }
 }

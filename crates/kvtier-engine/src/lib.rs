@@ -35,7 +35,7 @@ pub mod weights;
 
 #[cfg(feature = "cuda")]
 pub use device::cuda_stream;
-pub use device::{fix_cpu_threads, open_device};
+pub use device::{fix_cpu_threads, open_device, tune_host_allocator};
 pub use engine::{CachedTokens, Engine, EngineOptions, Prefill, SeqId, Step, StoreOptions};
 pub use engine_error::EngineError;
 pub use model_config::ModelConfig;

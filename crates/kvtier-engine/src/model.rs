@@ -11,6 +11,8 @@
 //! matmul each instead of three and two, fewer passes over the activations
 //! and fewer operations per step.
 
+mod decode;
+
 use candle_core::{D, DType, Device, Tensor};
 use candle_nn::{Linear, Module};
 
@@ -186,15 +188,20 @@ impl Model {
     }
 
     /// Runs `segs`, writing their K/V into `pool`, and returns the logits of
-    /// each segment's last token, `(segments, vocab)`.
+    /// each segment's last token, `(segments, vocab)`. A step of single
+    /// decode tokens takes the hand-written path (`decode.rs`), anything
+    /// else candle's.
     pub fn forward(&self, pool: &KvPool, segs: &[Segment<'_>]) -> Result<Tensor, EngineError> {
-        let cfg = &self.cfg;
-        let heads = cfg.num_attention_heads;
-        let kvh = cfg.kv_heads();
-        let hd = cfg.head_dim();
-        let eps = cfg.rms_norm_eps as f32;
-        let mut ids = Vec::new();
-        let mut lasts = Vec::with_capacity(segs.len());
+        self.check_segments(segs)?;
+        match self.forward_decode(pool, segs)? {
+            Some(logits) => Ok(logits),
+            None => self.forward_general(pool, segs),
+        }
+    }
+
+    /// Refuses empty segments, positions past the RoPE tables and token
+    /// ids outside the vocabulary.
+    fn check_segments(&self, segs: &[Segment<'_>]) -> Result<(), EngineError> {
         for s in segs {
             if s.tokens.is_empty() {
                 return Err(EngineError::Request("empty segment".into()));
@@ -206,10 +213,36 @@ impl Model {
                     self.rope.max_positions()
                 )));
             }
-            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            if let Some(&bad) = s
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.cfg.vocab_size)
+            {
                 return Err(EngineError::Request(format!(
                     "token id {bad} outside the vocabulary"
                 )));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`forward`](Self::forward) through candle's operations: projections
+    /// and MLP batched over every token, attention per sequence.
+    pub(crate) fn forward_general(
+        &self,
+        pool: &KvPool,
+        segs: &[Segment<'_>],
+    ) -> Result<Tensor, EngineError> {
+        let cfg = &self.cfg;
+        let heads = cfg.num_attention_heads;
+        let kvh = cfg.kv_heads();
+        let hd = cfg.head_dim();
+        let eps = cfg.rms_norm_eps as f32;
+        let mut ids = Vec::new();
+        let mut lasts = Vec::with_capacity(segs.len());
+        for s in segs {
+            if s.tokens.is_empty() {
+                return Err(EngineError::Request("empty segment".into()));
             }
             ids.extend_from_slice(s.tokens);
             lasts.push((ids.len() - 1) as u32);

@@ -17,6 +17,8 @@ use crate::model_config::{RopeKind, RopeParams};
 pub struct Rope {
     cos: Tensor,
     sin: Tensor,
+    /// The same tables as host vectors, for the hand-written decode step.
+    host: Option<(Vec<f32>, Vec<f32>)>,
     max_positions: usize,
     rotary_dim: usize,
 }
@@ -102,12 +104,46 @@ impl Rope {
             .reshape((max_positions, 1))?;
         let freqs = pos.matmul(&inv)?;
         let scale = p.attention_factor;
+        let cos = (freqs.cos()? * scale)?;
+        let sin = (freqs.sin()? * scale)?;
+        let host = if device.is_cpu() {
+            Some((cos.flatten_all()?.to_vec1()?, sin.flatten_all()?.to_vec1()?))
+        } else {
+            None
+        };
         Ok(Self {
-            cos: (freqs.cos()? * scale)?,
-            sin: (freqs.sin()? * scale)?,
+            cos,
+            sin,
+            host,
             max_positions,
             rotary_dim: p.rotary_dim,
         })
+    }
+
+    /// Rotates one head's vector `x` (`head_dim` values) to position `pos`
+    /// in place, as [`apply`](Self::apply) does (host tables; false when
+    /// there are none or `pos` is past them).
+    pub fn rotate(&self, x: &mut [f32], pos: usize) -> bool {
+        let Some((cos, sin)) = &self.host else {
+            return false;
+        };
+        let half = self.rotary_dim / 2;
+        let (Some(c), Some(s)) = (
+            cos.get(pos * half..(pos + 1) * half),
+            sin.get(pos * half..(pos + 1) * half),
+        ) else {
+            return false;
+        };
+        if x.len() < self.rotary_dim {
+            return false;
+        }
+        let (lo, hi) = x[..self.rotary_dim].split_at_mut(half);
+        for i in 0..half {
+            let (a, b) = (lo[i], hi[i]);
+            lo[i] = a * c[i] - b * s[i];
+            hi[i] = b * c[i] + a * s[i];
+        }
+        true
     }
 
     /// Positions covered.

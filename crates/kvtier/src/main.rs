@@ -89,6 +89,7 @@ fn main() -> ExitCode {
     };
     // SAFETY: before any thread starts (parsing the arguments starts none).
     unsafe { kvtier_engine::fix_cpu_threads(threads) };
+    kvtier_engine::tune_host_allocator();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
