@@ -1,4 +1,5 @@
-//! Paged attention: queries of one sequence against the K/V pages of its
+//! Paged attention for prefill chunks (the decode step has its own,
+//! `model/decode.rs`): queries of one sequence against the K/V pages of its
 //! block table, read as one K and one V tensor per layer
 //! ([`KvPool::context`]: a view of the pool when the pages are consecutive)
 //! so the scores and the output are one matmul each.
@@ -10,6 +11,7 @@
 use candle_core::{Device, Tensor};
 
 use crate::kv_pool::{KvPool, PageId};
+use crate::softmax::CausalSoftmax;
 
 /// Additive causal mask `(t, pages * block_tokens)` for queries at positions
 /// `start..start + t`: key `j` is visible to query `i` iff `j <= start + i`
@@ -37,38 +39,31 @@ pub fn causal_mask(
     Tensor::from_vec(m, (t, keys), device)
 }
 
-/// The mask of a sequence's `t` queries at positions `start..start + t`
-/// over the pages of `table` they read (those holding positions up to
-/// `start + t - 1`): [`causal_mask`] over that many pages' keys. The same
-/// for every layer of one window, so it is built once per forward pass.
-pub fn sequence_mask(
-    pool: &KvPool,
-    table: &[PageId],
-    start: usize,
-    t: usize,
-    window: Option<usize>,
-    device: &Device,
-) -> candle_core::Result<Tensor> {
+/// Keys a sequence's `t` queries at positions `start..start + t` read:
+/// those of the pages of `table` holding positions up to `start + t - 1`.
+pub fn context_keys(pool: &KvPool, table: &[PageId], start: usize, t: usize) -> usize {
     let bt = pool.block_tokens();
-    let pages = (start + t).div_ceil(bt).min(table.len());
-    causal_mask(start, t, pages * bt, window, device)
+    (start + t).div_ceil(bt).min(table.len()) * bt
 }
 
 /// Attention output `(heads, t, head_dim)` for queries `q` `(heads, t,
-/// head_dim)`, whose K/V (already written to the pool) live in `table`,
-/// under `mask` (from [`sequence_mask`]; its width says how many of the
-/// table's pages are read).
+/// head_dim)` at positions `causal.start..`, whose K/V (already written to
+/// the pool) live in `table`, over `causal.keys` keys (from
+/// [`context_keys`]), each query seeing the keys up to its own position
+/// (within the window when there is one). On the CPU the scores are
+/// normalised in place ([`CausalSoftmax`]); elsewhere through an additive
+/// mask and candle's softmax.
 pub fn paged_attention(
     pool: &KvPool,
     layer: usize,
     table: &[PageId],
     q: &Tensor,
-    mask: &Tensor,
+    causal: CausalSoftmax,
     kv_heads: usize,
 ) -> candle_core::Result<Tensor> {
     let (heads, t, hd) = q.dims3()?;
     let groups = heads / kv_heads;
-    let keys = mask.dims2()?.1;
+    let keys = causal.keys;
     let pages = &table[..(keys / pool.block_tokens()).min(table.len())];
     let scale = 1.0 / (hd as f64).sqrt();
     let q = (q.reshape((kv_heads, groups * t, hd))? * scale)?;
@@ -77,11 +72,16 @@ pub fn paged_attention(
     }
     let k = pool.context(layer, pages, false)?;
     let scores = q.matmul(&k.t()?)?;
-    let scores = scores
-        .reshape((kv_heads, groups, t, keys))?
-        .broadcast_add(mask)?;
-    let weights =
-        candle_nn::ops::softmax_last_dim(&scores)?.reshape((kv_heads, groups * t, keys))?;
+    let weights = if q.device().is_cpu() {
+        scores.inplace_op1(&causal)?;
+        scores
+    } else {
+        let mask = causal_mask(causal.start, t, keys, causal.window, q.device())?;
+        let scores = scores
+            .reshape((kv_heads, groups, t, keys))?
+            .broadcast_add(&mask)?;
+        candle_nn::ops::softmax_last_dim(&scores)?.reshape((kv_heads, groups * t, keys))?
+    };
     let v = pool.context(layer, pages, true)?;
     weights.matmul(&v)?.reshape((heads, t, hd))
 }
@@ -146,8 +146,13 @@ mod tests {
                 .map(|x| ((x * 13) as f32 * 0.05).cos())
                 .collect();
             let q = Tensor::from_vec(qd.clone(), (heads, t, hd), &dev).unwrap();
-            let mask = sequence_mask(&pool, table, start, t, None, &dev).unwrap();
-            let got = paged_attention(&pool, 0, table, &q, &mask, kvh).unwrap();
+            let causal = CausalSoftmax {
+                t,
+                keys: context_keys(&pool, table, start, t),
+                start,
+                window: None,
+            };
+            let got = paged_attention(&pool, 0, table, &q, causal, kvh).unwrap();
             let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
             for qh in 0..heads {
                 let h = qh / groups;

@@ -4,7 +4,8 @@
 //! * [`model_config`]: `config.json` of Llama / Qwen2 / Mistral models.
 //! * [`weights`]: loading through kvtier-io's parallel loader.
 //! * [`model`], [`attention`], [`rope`]: the forward pass over paged KV;
-//!   [`gemv`]: its decode-step projections, hand-written.
+//!   [`gemv`]: its decode-step projections, hand-written; [`softmax`]: the
+//!   prefill chunks' causal softmax, hand-written.
 //! * [`kv_pool`], [`prefix_cache`]: G1 pages and their prefix index.
 //! * [`engine`]: sequences, the batched step (decode and prefill chunks),
 //!   offload to the store; [`prefix_restore`]: restoring prefixes from the
@@ -29,6 +30,7 @@ pub mod preset;
 pub mod rope;
 pub mod sampling;
 pub mod scheduler;
+pub mod softmax;
 pub mod tokenizer;
 pub mod weight_check;
 pub mod weights;
