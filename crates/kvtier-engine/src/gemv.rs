@@ -9,11 +9,10 @@
 //! where llama.cpp's dot-product kernels reach 36 and 55 (scripts/bench-llamacpp,
 //! docs/benchmarks.md). This kernel streams each weight row once through
 //! FMA dot products with every row of `x` (kept in L1), and splits the
-//! output rows over the rayon pool (`--threads`). Prefill chunks (many
+//! output rows over the CPU threads (`--threads`; [`crate::parallel`]). Prefill chunks (many
 //! rows, compute-bound) stay on candle's packed gemm.
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
-use rayon::prelude::*;
 
 /// Most rows of `x` this kernel takes; above it the product is
 /// compute-bound enough for the packed gemm.
@@ -76,7 +75,7 @@ pub fn rows(
     // Transposed output: row j of W gives the m values y[.., j] side by
     // side, so each task owns one contiguous stretch.
     let mut yt = vec![0f32; n * m];
-    let job = |(task, out): (usize, &mut [f32])| {
+    let job = |task: usize, out: &mut [f32]| {
         let first = task * ROWS_PER_TASK;
         let rows_here = out.len() / m;
         block(&ws[first * k..(first + rows_here) * k], k, xs, m, out);
@@ -88,13 +87,7 @@ pub fn rows(
             }
         }
     };
-    if rayon::current_num_threads() > 1 {
-        yt.par_chunks_mut(ROWS_PER_TASK * m)
-            .enumerate()
-            .for_each(job);
-    } else {
-        yt.chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(job);
-    }
+    crate::parallel::for_each_chunk(&mut yt, ROWS_PER_TASK * m, job);
     drop((wg, bg));
     if m == 1 {
         return Ok(Some(yt));

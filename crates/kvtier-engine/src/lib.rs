@@ -24,6 +24,7 @@ pub mod kv_pool;
 pub mod model;
 pub mod model_config;
 pub mod model_files;
+pub mod parallel;
 pub mod prefix_cache;
 pub mod prefix_restore;
 pub mod preset;

@@ -12,7 +12,8 @@
 //! straight into its page, and attention walks the sequence's page table in
 //! place with an online softmax (no gather, no score matrix), so its cost
 //! is the context's bytes whatever the page size. Work is split over the
-//! rayon pool by output rows (projections) and by (sequence, KV head)
+//! CPU threads ([`crate::parallel`]) by output rows (projections) and by
+//! (sequence, KV head)
 //! (attention).
 //!
 //! The results equal the candle path's up to float rounding (tested
@@ -20,7 +21,6 @@
 //! (python/engine_tests).
 
 use candle_core::Tensor;
-use rayon::prelude::*;
 
 use super::{Layer, Model, Segment};
 use crate::engine_error::EngineError;
@@ -197,7 +197,7 @@ fn attend(
     pool.with_layer(layer, |ks, vs| {
         // One task per (segment, KV head): its `groups` query heads, whose
         // outputs are adjacent.
-        let job = |(task, out): (usize, &mut [f32])| {
+        let job = |task: usize, out: &mut [f32]| {
             let (r, kh) = (task / kvh, task % kvh);
             let s = &segs[r];
             let pos = s.start;
@@ -249,11 +249,7 @@ fn attend(
             }
         };
         let chunk = groups * hd;
-        if rayon::current_num_threads() > 1 {
-            out.par_chunks_mut(chunk).enumerate().for_each(job);
-        } else {
-            out.chunks_mut(chunk).enumerate().for_each(job);
-        }
+        crate::parallel::for_each_chunk(&mut out, chunk, job);
     })?;
     Some(out)
 }
