@@ -193,17 +193,18 @@ impl Model {
     /// decode tokens takes the hand-written path (`decode.rs`), anything
     /// else candle's.
     ///
-    /// The pass runs on a thread of the rayon pool (`rayon::scope`): its
-    /// parallel parts (dozens per decode step) then start on the thread
+    /// The general pass runs on a thread of the rayon pool
+    /// (`rayon::scope`): candle's parallel parts then start on the thread
     /// that is already running, instead of each being handed over from the
-    /// caller's thread and waited for (a wake-up and a sleep every time:
-    /// 50 vs 65 tok/s against llama.cpp at 2 threads before).
+    /// caller's thread and waited for. The decode step runs on the caller's
+    /// thread, which works beside candle's barrier pool
+    /// ([`crate::parallel`]).
     pub fn forward(&self, pool: &KvPool, segs: &[Segment<'_>]) -> Result<Tensor, EngineError> {
         self.check_segments(segs)?;
-        rayon::scope(|_| match self.forward_decode(pool, segs)? {
+        match self.forward_decode(pool, segs)? {
             Some(logits) => Ok(logits),
-            None => self.forward_general(pool, segs),
-        })
+            None => rayon::scope(|_| self.forward_general(pool, segs)),
+        }
     }
 
     /// Refuses empty segments, positions past the RoPE tables and token
