@@ -9,8 +9,12 @@ Rows, per thread count:
   (``kvtier.ttft_seconds``), after one warm-up request. llama.cpp:
   ``llama-bench -p 2048 -n 0`` (its own warm-up run included).
 - ``decode_tok_s``: 64 tokens from a near-empty context. kvtier: an
-  8-token prompt, max_tokens 64, streamed; (chunks - 1) / (last chunk -
-  first chunk) on the client. llama.cpp: ``llama-bench -p 0 -n 64``.
+  8-token prompt, max_tokens 64, streamed; tokens after the first chunk's
+  / (last chunk - first chunk) on the client. llama.cpp: ``llama-bench -p
+  0 -n 64`` (no HTTP, no client beside it).
+- ``decode_served_tok_s``: the same kvtier figure beside llama-server's,
+  measured the same way by the same client (both engines pay a streamed
+  HTTP reply per token, and share the cores with the client).
 - ``ttft_recompute_s``, ``ttft_g1_hit_s``, ``ttft_disk_restore_s``: the
   client's time to the (only) token of a max_tokens-1 request whose
   prompt is 2,000 token ids, the same ids for both engines: first sight
@@ -22,7 +26,8 @@ Rows, per thread count:
   request after it, both timed). The page cache is dropped before each
   restarted server starts, when this process may.
 
-Each figure is the median of ``--repeats`` samples, the two engines
+Each figure is the median of ``--repeats`` samples (three times as many
+for the decode rows), the two engines
 interleaved sample by sample (kvtier's server sits idle while llama.cpp
 runs). ``ratio`` is kvtier / llama.cpp: above 1 is kvtier faster for the
 tok/s rows, slower for the TTFT rows.
@@ -191,7 +196,11 @@ def stream_times(port: int, path: str, body: dict[str, Any], timeout: float = 60
                 raise RuntimeError(f"stream error: {chunk['error']}")
             for c in chunk.get("choices", []):
                 lp = c.get("logprobs")
-                n = len(lp["tokens"]) if lp else (1 if c.get("text") else 0)
+                if lp:
+                    # kvtier (and OpenAI): ``tokens``; llama-server: ``content``.
+                    n = len(lp["tokens"] if "tokens" in lp else lp["content"])
+                else:
+                    n = 1 if c.get("text") else 0
                 if n:
                     times.append((now, n))
     finally:
@@ -214,6 +223,26 @@ def wait_http_ok(port: int, proc: Proc, path: str = "/health", timeout: float = 
             conn.close()
         time.sleep(0.2)
     raise RuntimeError(f"{proc.name} not ready on port {port} after {timeout:.0f} s:\n{proc.tail()}")
+
+
+def served_decode_tok_s(port: int, ids: list[int], tokens: int, logprobs: int) -> float:
+    """A server's decode rate as a client sees it: ``/v1/completions``
+    streamed, tokens after the first chunk's over the time from the first
+    chunk to the last (llama-bench's tg counts generated tokens the same
+    way, without the prompt's processing). ``logprobs`` makes each chunk
+    list its tokens (kvtier: 0, the chosen token only; llama-server lists
+    them from 1); either costs one pass over the logits per token."""
+    times = stream_times(port, "/v1/completions", {
+        "prompt": ids, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+        "logprobs": logprobs})
+    if len(times) < 2:
+        raise RuntimeError(f"port {port} streamed {len(times)} token chunks for max_tokens {tokens}")
+    after_first = sum(n for _, n in times[1:])
+    return after_first / (times[-1][0] - times[0][0])
+
+
+DECODE_SAMPLES_PER_REPEAT = 3
+"""Decode samples of each engine per repeat (the median is over all)."""
 
 
 # ------------------------------------------------------------------ engines
@@ -261,17 +290,7 @@ class Kvtier:
 
     @staticmethod
     def decode_tok_s(port: int, ids: list[int], tokens: int) -> float:
-        """Tokens after the first chunk's over the time from the first chunk
-        to the last (llama-bench's tg counts generated tokens the same way,
-        without the prompt's processing). ``logprobs: 0`` makes each chunk
-        list its tokens; the top-0 log probability costs one pass over the
-        logits per token."""
-        times = stream_times(port, "/v1/completions", {
-            "prompt": ids, "max_tokens": tokens, "temperature": 0, "stream": True, "logprobs": 0})
-        if len(times) < 2:
-            raise RuntimeError(f"kvtier streamed {len(times)} token chunks for max_tokens {tokens}")
-        after_first = sum(n for _, n in times[1:])
-        return after_first / (times[-1][0] - times[0][0])
+        return served_decode_tok_s(port, ids, tokens, logprobs=0)
 
 
 @dataclass
@@ -311,6 +330,10 @@ class LlamaCpp:
                                           "temperature": 0, "id_slot": 0})
 
     @staticmethod
+    def decode_tok_s(port: int, ids: list[int], tokens: int) -> float:
+        return served_decode_tok_s(port, ids, tokens, logprobs=1)
+
+    @staticmethod
     def slot(port: int, action: str, filename: str) -> float:
         _, dt = post(port, f"/slots/0?action={action}", {"filename": filename})
         return dt
@@ -346,24 +369,36 @@ def speed_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Nam
                work: Path) -> list[Row]:
     pre = Row(threads, "prefill_tok_s", extra={"prompt_tokens": a.prefill_tokens})
     dec = Row(threads, "decode_tok_s", extra={"tokens": a.decode_tokens})
+    served = Row(threads, "decode_served_tok_s", extra={"tokens": a.decode_tokens})
     long_ids = prompt_ids(tok, 100, a.prefill_tokens)
     short_ids = prompt_ids(tok, 101, 8)
     proc, port = kv.start(threads, work / f"kv-speed-{threads}", no_prefix_reuse=True)
+    # llama-server idles while kvtier computes and the other way round.
+    (work / f"slots-speed-{threads}").mkdir()
+    lproc, lport = lc.start(threads, work / f"slots-speed-{threads}")
     try:
-        log(f"  kvtier warm-up (threads {threads})")
+        log(f"  warm-up (threads {threads})")
         kv.complete(port, long_ids)
         kv.decode_tok_s(port, short_ids, a.decode_tokens)
+        lc.decode_tok_s(lport, short_ids, a.decode_tokens)
         for i in range(a.repeats):
             r, _ = kv.complete(port, long_ids)
             pre.kvtier.append(r["usage"]["prompt_tokens"] / r["kvtier"]["ttft_seconds"])
             pre.llamacpp.append(lc.bench(threads, a.prefill_tokens, 0))
-            dec.kvtier.append(kv.decode_tok_s(port, short_ids, a.decode_tokens))
-            dec.llamacpp.append(lc.bench(threads, 0, a.decode_tokens))
+            # Decode samples are short (about a second) and the VM's memory
+            # bandwidth drifts by +-8 % between them: three per repeat.
+            for _ in range(DECODE_SAMPLES_PER_REPEAT):
+                dec.kvtier.append(kv.decode_tok_s(port, short_ids, a.decode_tokens))
+                dec.llamacpp.append(lc.bench(threads, 0, a.decode_tokens))
+                served.kvtier.append(dec.kvtier[-1])
+                served.llamacpp.append(lc.decode_tok_s(lport, short_ids, a.decode_tokens))
             log(f"  sample {i + 1}/{a.repeats}: prefill {pre.kvtier[-1]:.1f} / {pre.llamacpp[-1]:.1f} tok/s, "
-                f"decode {dec.kvtier[-1]:.1f} / {dec.llamacpp[-1]:.1f} tok/s (kvtier / llama.cpp)")
+                f"decode {dec.kvtier[-1]:.1f} / {dec.llamacpp[-1]:.1f} (llama-bench) / "
+                f"{served.llamacpp[-1]:.1f} (llama-server) tok/s (kvtier / llama.cpp)")
     finally:
+        lproc.stop()
         proc.stop()
-    return [pre, dec]
+    return [pre, dec, served]
 
 
 def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Namespace,
