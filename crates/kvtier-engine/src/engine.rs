@@ -196,6 +196,10 @@ impl Engine {
                     sc.disk = Some(DiskConfig::new(so.disk_dirs, so.disk_bytes, layout));
                 }
                 sc.remote = so.remote;
+                // Restores into resident memory (4,096-token restores beside
+                // 4 decoders: TTFT 0.24 -> 0.13 s, the decoders' ITL p50
+                // 44 -> 39 ms while they run; warm_buffers.rs).
+                sc.warm_read_buffers = true;
                 if let Some(every) = so.g3_sync {
                     sc.g3_sync = (!every.is_zero()).then_some(every);
                 }

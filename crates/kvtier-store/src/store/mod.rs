@@ -30,6 +30,7 @@ mod pending;
 mod shared_memory;
 mod store_error;
 mod tier_reads;
+mod warm_buffers;
 mod write_back;
 mod write_through;
 mod writer_thread;
@@ -92,6 +93,13 @@ pub struct StoreConfig {
     /// A G2 budget shared with other stores (one per model or layout); when
     /// set, `memory_bytes` is ignored and G2 counters are the shared ones.
     pub shared_memory: Option<SharedMemory>,
+    /// Fault in, on a background thread right after the store opens, the
+    /// buffers G3 reads will take (as many as the G2 budget holds, plus the
+    /// reads in flight), so a restore reads into resident memory instead of
+    /// faulting fresh pages in on the cores others compute on
+    /// (`warm_buffers.rs`). Commits the G2 budget's memory at open.
+    /// Default false; the engine turns it on.
+    pub warm_read_buffers: bool,
 }
 
 impl StoreConfig {
@@ -110,8 +118,21 @@ impl StoreConfig {
             g3_sync: Some(DEFAULT_G3_SYNC),
             remote: None,
             shared_memory: None,
+            warm_read_buffers: false,
         }
     }
+}
+
+/// Read buffers the store's allocator keeps for reuse: what the G2 budget
+/// (at least 256 MiB) holds in blocks, plus the reads in flight.
+fn read_buffers_kept(config: &StoreConfig) -> usize {
+    let slot = config.layout.encoded_bytes().max(1);
+    let g2 = match &config.shared_memory {
+        Some(shared) => shared.memory().capacity_bytes(),
+        None => config.memory_bytes,
+    };
+    let in_flight = READ_WORKERS as u64 * crate::transfer::chunk_blocks(&config.layout) as u64;
+    ((256u64 << 20).max(g2) / slot + in_flight).clamp(8, 4096) as usize
 }
 
 /// How far a prefix is cached, and where each block is.
@@ -227,13 +248,7 @@ impl TieredStore {
     /// restart, `evict_memory`) would otherwise fault in every block that
     /// G2 is short of; the G2 budget is memory the store may use anyway.
     pub fn open(config: StoreConfig) -> Result<Self, StoreError> {
-        let slot = config.layout.encoded_bytes().max(1);
-        let g2 = match &config.shared_memory {
-            Some(shared) => shared.memory().capacity_bytes(),
-            None => config.memory_bytes,
-        };
-        let in_flight = READ_WORKERS as u64 * crate::transfer::chunk_blocks(&config.layout) as u64;
-        let keep = ((256u64 << 20).max(g2) / slot + in_flight).clamp(8, 4096) as usize;
+        let keep = read_buffers_kept(&config);
         let alloc: Arc<dyn HostAllocator> = Arc::new(RecyclingAllocator::new(keep));
         Self::open_with(config, IoEngine::shared().clone(), alloc)
     }
@@ -262,6 +277,7 @@ impl TieredStore {
                 (metrics, memory, 0)
             }
         };
+        let warm = config.warm_read_buffers.then(|| read_buffers_kept(&config));
         let write_back = match config.disk {
             Some(mut dc) => {
                 dc.layout = spec.layout;
@@ -273,6 +289,9 @@ impl TieredStore {
                     metrics.g3.clone(),
                 )?);
                 metrics.set_io_mode(Tier::G3, engine.backend().name(), disk.direct());
+                if let Some(count) = warm {
+                    warm_buffers::warm_in_background(alloc.clone(), disk.slot_bytes(), count);
+                }
                 Some(WriteBack::open(
                     disk,
                     memory.clone(),
