@@ -126,13 +126,25 @@ impl StoreConfig {
 /// Read buffers the store's allocator keeps for reuse: what the G2 budget
 /// (at least 256 MiB) holds in blocks, plus the reads in flight.
 fn read_buffers_kept(config: &StoreConfig) -> usize {
+    read_buffers(config, 256 << 20)
+}
+
+/// Read buffers worth warming at open: what the G2 budget holds in blocks
+/// (G2 keeps the buffers of G3 hits), plus the reads in flight.
+fn read_buffers_warmed(config: &StoreConfig) -> usize {
+    read_buffers(config, 0).min(read_buffers_kept(config))
+}
+
+/// Blocks of the G2 budget (at least `min_g2` bytes) plus the reads in
+/// flight, between 8 and 4,096.
+fn read_buffers(config: &StoreConfig, min_g2: u64) -> usize {
     let slot = config.layout.encoded_bytes().max(1);
     let g2 = match &config.shared_memory {
         Some(shared) => shared.memory().capacity_bytes(),
         None => config.memory_bytes,
     };
     let in_flight = READ_WORKERS as u64 * crate::transfer::chunk_blocks(&config.layout) as u64;
-    ((256u64 << 20).max(g2) / slot + in_flight).clamp(8, 4096) as usize
+    (min_g2.max(g2) / slot + in_flight).clamp(8, 4096) as usize
 }
 
 /// How far a prefix is cached, and where each block is.
@@ -277,7 +289,9 @@ impl TieredStore {
                 (metrics, memory, 0)
             }
         };
-        let warm = config.warm_read_buffers.then(|| read_buffers_kept(&config));
+        let warm = config
+            .warm_read_buffers
+            .then(|| read_buffers_warmed(&config));
         let write_back = match config.disk {
             Some(mut dc) => {
                 dc.layout = spec.layout;
