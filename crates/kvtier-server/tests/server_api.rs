@@ -235,7 +235,20 @@ fn metrics_show_the_scheduler_queues_g1_pages_and_end_to_end_latency() {
         &s,
         json!({"model": "tiny", "prompt": "short", "max_tokens": 2, "temperature": 0}),
     );
-    let text = s.get("/metrics").text();
+    // The scheduler publishes its gauges at the top of each round, which
+    // may come just after the client has its last token: wait (boundedly)
+    // for the round that finds it idle.
+    let idle = |t: &str| {
+        ["queued", "restoring", "running"]
+            .iter()
+            .all(|st| metric(t, &format!("kvtier_server_sequences{{state=\"{st}\"}}")) == 0.0)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut text = s.get("/metrics").text();
+    while !idle(&text) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        text = s.get("/metrics").text();
+    }
     assert_eq!(metric(&text, "kvtier_server_request_seconds_count"), 2.0);
     // Idle: nothing queued, restoring or running; no page in use.
     for state in ["queued", "restoring", "running"] {

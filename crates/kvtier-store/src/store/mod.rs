@@ -97,8 +97,9 @@ pub struct StoreConfig {
     /// buffers G3 reads will take (as many as the G2 budget holds, plus the
     /// reads in flight), so a restore reads into resident memory instead of
     /// faulting fresh pages in on the cores others compute on
-    /// (`warm_buffers.rs`). Commits the G2 budget's memory at open.
-    /// Default false; the engine turns it on.
+    /// (`warm_buffers.rs`). Commits the G2 budget's memory at open (a
+    /// shared G2's whole budget for each store that asks: turn it on for
+    /// one). Default false; the engine turns it on.
     pub warm_read_buffers: bool,
 }
 
