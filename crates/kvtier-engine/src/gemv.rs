@@ -117,6 +117,23 @@ pub fn with_host<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
     Some(f(data))
 }
 
+/// The f32 values of a CPU storage that an in-place op may change, with the
+/// element range its contiguous `layout` covers; an error naming `what`
+/// when the storage is not f32 or the layout not contiguous.
+pub(crate) fn f32_in_place<'a>(
+    storage: &'a mut CpuStorage,
+    layout: &candle_core::Layout,
+    what: &str,
+) -> candle_core::Result<(&'a mut [f32], std::ops::Range<usize>)> {
+    let CpuStorage::F32(all) = storage else {
+        return Err(candle_core::Error::Msg(format!("{what} is not f32")));
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Err(candle_core::Error::Msg(format!("{what} is not contiguous")));
+    };
+    Ok((all, start..end))
+}
+
 /// `len` f32 values of a CPU storage from element `start`.
 fn f32_data(storage: &Storage, start: usize, len: usize) -> Option<&[f32]> {
     match storage {
@@ -145,7 +162,7 @@ fn block(w: &[f32], k: usize, xs: &[f32], m: usize, out: &mut [f32]) {
 
 /// True when the CPU has AVX2 and FMA (checked once).
 #[cfg(target_arch = "x86_64")]
-fn simd() -> bool {
+pub(crate) fn simd() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
         std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")

@@ -442,12 +442,8 @@ impl InplaceOp1 for WritePage<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(all) = storage else {
-            return Err(candle_core::Error::Msg("KV pool is not f32".into()));
-        };
-        let Some((start, _)) = layout.contiguous_offsets() else {
-            return Err(candle_core::Error::Msg("KV pool is not contiguous".into()));
-        };
+        let (all, range) = crate::gemv::f32_in_place(storage, layout, "KV pool")?;
+        let start = range.start;
         let from = start + self.offset;
         let dst = all
             .get_mut(from..from + self.bytes.len() / 4)
@@ -471,12 +467,8 @@ impl InplaceOp1 for WriteRows<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(all) = storage else {
-            return Err(candle_core::Error::Msg("KV pool is not f32".into()));
-        };
-        let Some((start, _)) = layout.contiguous_offsets() else {
-            return Err(candle_core::Error::Msg("KV pool is not contiguous".into()));
-        };
+        let (all, range) = crate::gemv::f32_in_place(storage, layout, "KV pool")?;
+        let start = range.start;
         for (&at, row) in self.at.iter().zip(self.data.chunks_exact(self.width)) {
             let from = start + at;
             all.get_mut(from..from + self.width)
@@ -501,12 +493,8 @@ impl InplaceOp1 for CopyRows {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(all) = storage else {
-            return Err(candle_core::Error::Msg("KV pool is not f32".into()));
-        };
-        let Some((start, _)) = layout.contiguous_offsets() else {
-            return Err(candle_core::Error::Msg("KV pool is not contiguous".into()));
-        };
+        let (all, range) = crate::gemv::f32_in_place(storage, layout, "KV pool")?;
+        let start = range.start;
         let (from, to) = (start + self.from, start + self.to);
         if from.max(to) + self.len > all.len() {
             return Err(candle_core::Error::Msg("rows outside the pool".into()));

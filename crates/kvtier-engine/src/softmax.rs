@@ -36,14 +36,9 @@ impl InplaceOp1 for CausalSoftmax {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let CpuStorage::F32(all) = storage else {
-            return Err(candle_core::Error::Msg("scores are not f32".into()));
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            return Err(candle_core::Error::Msg("scores are not contiguous".into()));
-        };
+        let (all, range) = crate::gemv::f32_in_place(storage, layout, "attention scores")?;
         let rows = all
-            .get_mut(start..end)
+            .get_mut(range)
             .ok_or_else(|| candle_core::Error::Msg("scores outside their storage".into()))?;
         if self.keys == 0 || self.t == 0 || rows.len() % (self.keys * self.t) != 0 {
             return Err(candle_core::Error::Msg("scores of another shape".into()));
@@ -90,8 +85,8 @@ fn softmax_range(row: &mut [f32], first: usize, last: usize) {
 fn exp_shifted(v: &mut [f32], shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+        if crate::gemv::simd() {
+            // SAFETY: the CPU has AVX2 and FMA (checked by `simd`).
             return unsafe { exp_shifted_avx2(v, shift) };
         }
     }

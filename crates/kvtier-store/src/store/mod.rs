@@ -131,9 +131,10 @@ fn read_buffers_kept(config: &StoreConfig) -> usize {
 }
 
 /// Read buffers worth warming at open: what the G2 budget holds in blocks
-/// (G2 keeps the buffers of G3 hits), plus the reads in flight.
+/// (G2 keeps the buffers of G3 hits), plus the reads in flight (never more
+/// than [`read_buffers_kept`], whose G2 floor is higher).
 fn read_buffers_warmed(config: &StoreConfig) -> usize {
-    read_buffers(config, 0).min(read_buffers_kept(config))
+    read_buffers(config, 0)
 }
 
 /// Blocks of the G2 budget (at least `min_g2` bytes) plus the reads in
