@@ -60,6 +60,7 @@ class Layout:
         arrangement: str = "kv-major",
         tp_rank: int = 0,
         tp_world: int = 1,
+        codec: str = "none",
     ) -> None: ...
     @staticmethod
     def vllm_cpu(
@@ -70,6 +71,7 @@ class Layout:
         dtype: str = "f32",
         tp_rank: int = 0,
         tp_world: int = 1,
+        codec: str = "none",
     ) -> Layout:
         """vLLM's CPU page layout: per layer ``[num_blocks, kv_heads,
         block_tokens, 2 * head_dim]``."""
@@ -84,6 +86,9 @@ class Layout:
     @property
     def dtype(self) -> str: ...
     @property
+    def codec(self) -> str:
+        """How the lower tiers store the payload: none, bf16, fp8-e4m3, int8."""
+    @property
     def arrangement(self) -> str: ...
     @property
     def tp_rank(self) -> int: ...
@@ -92,6 +97,9 @@ class Layout:
     @property
     def payload_bytes(self) -> int:
         """Bytes of one block's payload."""
+    @property
+    def stored_payload_bytes(self) -> int:
+        """Bytes of one block's payload as the store keeps it (coded)."""
     @property
     def region_bytes(self) -> int:
         """Bytes of one region (a layer's K or V, or its latent)."""

@@ -30,6 +30,10 @@ the connector warns about it at start.
 - ``fingerprint``: names the weights (default: the model's name, revision,
   its config.json and the sizes of its weight files; KV of another
   fingerprint is never served);
+- ``kv_offload_codec`` (default ``"none"``): how the store keeps the KV,
+  ``none``, ``bf16`` (from f32), ``fp8-e4m3`` or ``int8`` (a scale per
+  token and head; docs/block-format.md); part of the keys, so coded and
+  uncoded KV never mix;
 - ``load_async`` (default true): restores run between scheduler steps while
   other requests keep decoding; false restores inside the step that needs
   them.
@@ -148,7 +152,16 @@ class _Match:
 def _extra(vllm_config: VllmConfig) -> dict[str, Any]:
     ktc = vllm_config.kv_transfer_config
     extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
-    known = {"cache_dir", "g2_bytes", "g3_bytes", "remote", "namespace", "fingerprint", "load_async"}
+    known = {
+        "cache_dir",
+        "g2_bytes",
+        "g3_bytes",
+        "remote",
+        "namespace",
+        "fingerprint",
+        "load_async",
+        "kv_offload_codec",
+    }
     unknown = set(extra) - known
     if unknown:
         raise ValueError(
@@ -180,7 +193,7 @@ def _fingerprint(vllm_config: VllmConfig) -> str:
     return model_fingerprint(mc.model, getattr(mc, "revision", None), getattr(mc, "quantization", None))
 
 
-def _layout(vllm_config: VllmConfig, rank: int) -> Layout:
+def _layout(vllm_config: VllmConfig, rank: int, codec: str = "none") -> Layout:
     """The per-rank block layout vLLM's config implies (the workers check
     it against the tensors they are given)."""
     from vllm.utils.torch_utils import get_kv_cache_torch_dtype
@@ -199,6 +212,7 @@ def _layout(vllm_config: VllmConfig, rank: int) -> Layout:
         dtype=dtype,
         tp_rank=rank,
         tp_world=pc.tensor_parallel_size,
+        codec=codec,
     )
 
 
@@ -230,7 +244,7 @@ def connector_namespace(vllm_config: VllmConfig, rank: int = 0) -> Namespace:
     """The store namespace :class:`KvtierConnector` uses for ``rank`` (to
     inspect or prepare a cache from outside vLLM)."""
     extra = _extra(vllm_config)
-    layout = _layout(vllm_config, rank)
+    layout = _layout(vllm_config, rank, str(extra.get("kv_offload_codec", "none")))
     fingerprint = str(extra.get("fingerprint") or _fingerprint(vllm_config))
     return _store(extra).namespace(layout, fingerprint=fingerprint, name=extra.get("namespace"))
 

@@ -15,8 +15,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvtier_store::{
-    Arrangement, BlockRegions, BlockResult as StoreResult, DiskConfig, KeyChain, KvDtype, KvLayout,
-    ModelFingerprint, Part, RemoteConfig, SharedMemory, StoreConfig, Tier, TieredStore, TpShard,
+    Arrangement, BlockRegions, BlockResult as StoreResult, DiskConfig, KeyChain, KvCodec, KvDtype,
+    KvLayout, ModelFingerprint, Part, RemoteConfig, SharedMemory, StoreConfig, Tier, TieredStore,
+    TpShard,
 };
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
@@ -41,9 +42,11 @@ impl Layout {
     /// A layout: `layers` x `kv_heads` x `head_dim` x `block_tokens`
     /// elements of `dtype` per part, arranged as `arrangement`
     /// (`kv-major`, `layer-major`, `layer-fused`, `latent`), for rank
-    /// `tp_rank` of `tp_world`.
+    /// `tp_rank` of `tp_world`, stored by `codec` (`none`, `bf16`,
+    /// `fp8-e4m3`, `int8`: loads decode into, saves code from the caller's
+    /// memory).
     #[new]
-    #[pyo3(signature = (layers, kv_heads, head_dim, block_tokens, dtype = "f32", arrangement = "kv-major", tp_rank = 0, tp_world = 1))]
+    #[pyo3(signature = (layers, kv_heads, head_dim, block_tokens, dtype = "f32", arrangement = "kv-major", tp_rank = 0, tp_world = 1, codec = "none"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: u32,
@@ -54,7 +57,13 @@ impl Layout {
         arrangement: &str,
         tp_rank: u16,
         tp_world: u16,
+        codec: &str,
     ) -> PyResult<Self> {
+        let codec = KvCodec::from_name(codec).ok_or_else(|| {
+            bad(format!(
+                "unknown codec {codec:?} (none, bf16, fp8-e4m3, int8)"
+            ))
+        })?;
         let dtype = KvDtype::from_name(dtype)
             .ok_or_else(|| bad(format!("unknown dtype {dtype:?} (f32, f16, bf16, f8e4m3)")))?;
         let arrangement = Arrangement::from_name(arrangement).ok_or_else(|| {
@@ -72,6 +81,7 @@ impl Layout {
             head_dim,
             block_tokens,
             dtype,
+            codec,
             arrangement,
             shard,
         };
@@ -82,7 +92,8 @@ impl Layout {
     /// vLLM's CPU attention backend: per layer `[num_blocks, num_kv_heads,
     /// block_size, 2 * head_size]`, one page per block and layer.
     #[staticmethod]
-    #[pyo3(signature = (layers, kv_heads, head_dim, block_tokens = 128, dtype = "f32", tp_rank = 0, tp_world = 1))]
+    #[pyo3(signature = (layers, kv_heads, head_dim, block_tokens = 128, dtype = "f32", tp_rank = 0, tp_world = 1, codec = "none"))]
+    #[allow(clippy::too_many_arguments)]
     fn vllm_cpu(
         layers: u32,
         kv_heads: u32,
@@ -91,6 +102,7 @@ impl Layout {
         dtype: &str,
         tp_rank: u16,
         tp_world: u16,
+        codec: &str,
     ) -> PyResult<Self> {
         Self::new(
             layers,
@@ -101,6 +113,7 @@ impl Layout {
             "layer-fused",
             tp_rank,
             tp_world,
+            codec,
         )
     }
 
@@ -124,6 +137,12 @@ impl Layout {
     fn dtype(&self) -> &'static str {
         self.inner.dtype.name()
     }
+    /// How the lower tiers store the payload (`none`, `bf16`, `fp8-e4m3`,
+    /// `int8`).
+    #[getter]
+    fn codec(&self) -> &'static str {
+        self.inner.codec.name()
+    }
     #[getter]
     fn arrangement(&self) -> &'static str {
         self.inner.arrangement.name()
@@ -136,10 +155,15 @@ impl Layout {
     fn tp_world(&self) -> u16 {
         self.inner.shard.map_or(1, |s| s.world)
     }
-    /// Bytes of one block's payload.
+    /// Bytes of one block's payload (as the caller's memory holds it).
     #[getter]
     fn payload_bytes(&self) -> u64 {
         self.inner.payload_bytes()
+    }
+    /// Bytes of one block's payload as the store keeps it (coded).
+    #[getter]
+    fn stored_payload_bytes(&self) -> u64 {
+        self.inner.stored_payload_bytes()
     }
     /// Bytes of one region (one layer's K or V, or its latent).
     #[getter]

@@ -76,6 +76,8 @@ pub struct MainJobOptions {
     pub keep_g2: bool,
     /// Tokens per KV block.
     pub block_tokens: usize,
+    /// How G2 and G3 store the blocks kvtier restores (`--kv-offload-codec`).
+    pub kv_offload_codec: kvtier_store::KvCodec,
     /// G2 capacity.
     pub g2_bytes: u64,
     /// G3 capacity.
@@ -106,6 +108,7 @@ impl Default for MainJobOptions {
             concurrency: vec![1, 8, 16],
             keep_g2: false,
             block_tokens: 256,
+            kv_offload_codec: kvtier_store::KvCodec::None,
             g2_bytes: 1 << 30,
             g3_bytes: 8 << 30,
             max_batch: 16,
@@ -267,6 +270,7 @@ fn in_process(opts: &MainJobOptions) -> Result<InProcess> {
         disk_bytes: opts.g3_bytes,
         remote: None,
         g3_sync: None,
+        codec: opts.kv_offload_codec,
     };
     let engine = Engine::load(&model_dir, engine_opts, Some(store))
         .with_step(|| format!("loading the model in {}", model_dir.display()))?;

@@ -26,6 +26,7 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
         ..Default::default()
     };
     let store = StoreOptions {
+        codec: kvtier_store::KvCodec::None,
         memory_bytes: 32 << 20,
         disk_dirs: vec![cache.path().to_path_buf()],
         disk_bytes: 64 << 20,

@@ -34,6 +34,7 @@ fn main() -> Result<(), EngineError> {
         ..Default::default()
     };
     let store = StoreOptions {
+        codec: kvtier_store::KvCodec::None,
         memory_bytes: 1 << 30,
         disk_dirs: vec![cache.clone()],
         disk_bytes: 4 << 30,

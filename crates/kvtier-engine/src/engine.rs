@@ -21,7 +21,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
-use kvtier_store::{BlockKey, DiskConfig, KeyChain, ModelFingerprint, StoreConfig, TieredStore};
+use kvtier_store::{
+    BlockKey, DiskConfig, KeyChain, KvCodec, KvLayout, ModelFingerprint, StoreConfig, TieredStore,
+};
 
 use crate::engine_error::EngineError;
 use crate::kv_pool::{KvPool, PageId};
@@ -77,6 +79,10 @@ pub struct StoreOptions {
     /// ([`StoreConfig::g3_sync`]): `None` is the store's default
     /// ([`kvtier_store::DEFAULT_G3_SYNC`]), zero turns it off.
     pub g3_sync: Option<std::time::Duration>,
+    /// How G2, G3 and G4 store the KV (`--kv-offload-codec`): G1 keeps f32;
+    /// blocks are coded as they are offloaded and decoded into G1 pages as
+    /// they are restored ([`KvCodec`]).
+    pub codec: KvCodec,
 }
 
 /// Identifies a sequence inside the engine.
@@ -150,6 +156,8 @@ pub(crate) struct Seq {
 pub struct Engine {
     pub(crate) model: Model,
     pub(crate) pool: KvPool,
+    /// The store layout of a G1 page (the store's codec, f32, layer-major).
+    pub(crate) kv_layout: KvLayout,
     pub(crate) g1: PrefixCache,
     pub(crate) keychain: KeyChain,
     fingerprint: ModelFingerprint,
@@ -186,10 +194,13 @@ impl Engine {
             })?;
         let mut weights = Weights::load(dir, &opts.device, DType::F32)?;
         let fingerprint = weights.fingerprint(dir)?;
-        let layout = cfg.kv_layout(opts.block_tokens);
-        let model = Model::new(cfg, &mut weights, opts.max_seq_tokens, &opts.device)?;
+        let model = Model::new(cfg.clone(), &mut weights, opts.max_seq_tokens, &opts.device)?;
         let store = match store {
             Some(so) => {
+                let layout = cfg.kv_layout(opts.block_tokens).with_codec(so.codec);
+                layout
+                    .validate()
+                    .map_err(|e| EngineError::Request(e.to_string()))?;
                 let mut sc = StoreConfig::new(layout, fingerprint);
                 sc.memory_bytes = so.memory_bytes;
                 if !so.disk_dirs.is_empty() {
@@ -223,7 +234,11 @@ impl Engine {
                 "block_tokens and pool_pages must be positive".into(),
             ));
         }
-        let layout = cfg.kv_layout(opts.block_tokens);
+        // The store's codec is its own choice; the rest of its layout must
+        // be the model's.
+        let layout = cfg
+            .kv_layout(opts.block_tokens)
+            .with_codec(store.as_ref().map_or(KvCodec::None, |s| s.layout().codec));
         if let Some(s) = &store {
             if s.layout() != layout {
                 return Err(EngineError::Request(format!(
@@ -249,6 +264,7 @@ impl Engine {
         Ok(Self {
             model,
             pool,
+            kv_layout: layout,
             g1: PrefixCache::default(),
             keychain,
             fingerprint,
@@ -438,7 +454,8 @@ impl Engine {
                 .new_block()
                 .map_err(EngineError::from)
                 .and_then(|mut b| {
-                    self.pool.export_into(page, b.payload_mut())?;
+                    self.pool
+                        .export_into(page, &self.kv_layout, b.payload_mut())?;
                     Ok(b)
                 });
             match exported {

@@ -52,6 +52,10 @@ pub enum EngineError {
     /// The store failed.
     #[error("store: {0}")]
     Store(#[from] kvtier_store::StoreError),
+    /// A KV page could not be coded for the store (fp8/int8 and a NaN or
+    /// Inf value) or decoded from it.
+    #[error("KV codec: {0}")]
+    Codec(#[from] kvtier_store::CodecError),
     /// The device asked for cannot be used.
     #[error("device {name}: {msg}")]
     Device {

@@ -18,6 +18,8 @@ use std::collections::BTreeSet;
 
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Storage, Tensor};
 
+use kvtier_store::{Arrangement, KvCodec, KvDtype, KvLayout};
+
 use crate::engine_error::EngineError;
 
 #[cfg(target_endian = "big")]
@@ -217,29 +219,48 @@ impl KvPool {
         self.context(layer, &[page], true)
     }
 
-    /// Copies a page into `out` in store-payload order (`out` is one
-    /// payload long: a store block buffer, written in full).
+    /// The store layout of one page: layer-major (`[layer][K|V][kv_head]
+    /// [token][head_dim]`, f32), payload stored by `codec`.
+    pub fn store_layout(&self, codec: KvCodec) -> KvLayout {
+        KvLayout {
+            layers: self.k.len() as u32,
+            kv_heads: self.kv_heads as u32,
+            head_dim: self.head_dim as u32,
+            block_tokens: self.block_tokens as u32,
+            dtype: KvDtype::F32,
+            codec,
+            arrangement: Arrangement::LayerMajor,
+            shard: None,
+        }
+    }
+
+    /// Codes a page into `out`, a store block's stored payload of `layout`
+    /// (one of [`KvPool::store_layout`]'s), written in full.
     ///
-    /// On the CPU each layer's K and V part is one copy straight out of the
-    /// pool's memory; other devices copy each part to the host first.
-    pub fn export_into(&self, page: PageId, out: &mut [u8]) -> Result<(), EngineError> {
-        let part = self.check_payload(out.len())?;
+    /// On the CPU each head of each layer's K and V is coded straight out
+    /// of the pool's memory (without a codec, one copy); other devices copy
+    /// each part to the host first.
+    pub fn export_into(
+        &self,
+        page: PageId,
+        layout: &KvLayout,
+        out: &mut [u8],
+    ) -> Result<(), EngineError> {
+        let run = self.check_payload(layout, out.len())?;
         let head_part = self.block_tokens * self.head_dim;
-        let mut parts = out.chunks_exact_mut(part);
+        let mut at = 0u64;
         for layer in 0..self.k.len() {
             for (is_v, t) in [(false, &self.k[layer]), (true, &self.v[layer])] {
-                let dst = parts
-                    .next()
-                    .ok_or_else(|| EngineError::Request("short KV payload".into()))?;
-                let (storage, layout) = t.storage_and_layout();
-                match (&*storage, layout.contiguous_offsets()) {
+                let (storage, tl) = t.storage_and_layout();
+                match (&*storage, tl.contiguous_offsets()) {
                     (Storage::Cpu(CpuStorage::F32(all)), Some((start, _))) => {
-                        for (h, dst) in dst.chunks_exact_mut(head_part * 4).enumerate() {
+                        for h in 0..self.kv_heads {
                             let from = start + self.row(page, h, 0) * self.head_dim;
                             let src = all.get(from..from + head_part).ok_or_else(|| {
                                 EngineError::Request("page outside the pool".into())
                             })?;
-                            dst.copy_from_slice(bytemuck::cast_slice(src));
+                            layout.encode_into(at, bytemuck::cast_slice(src), out)?;
+                            at += run;
                         }
                     }
                     _ => {
@@ -248,7 +269,8 @@ impl KvPool {
                             .context(layer, &[page], is_v)?
                             .flatten_all()?
                             .to_vec1()?;
-                        dst.copy_from_slice(bytemuck::cast_slice(&vals));
+                        layout.encode_into(at, bytemuck::cast_slice(&vals), out)?;
+                        at += run * self.kv_heads as u64;
                     }
                 }
             }
@@ -256,42 +278,50 @@ impl KvPool {
         Ok(())
     }
 
-    /// A page's bytes in store-payload order, in a new buffer.
+    /// A page's bytes in store-payload order (uncoded), in a new buffer.
     pub fn export(&self, page: PageId) -> Result<Vec<u8>, EngineError> {
         let mut out = vec![0u8; self.page_bytes()];
-        self.export_into(page, &mut out)?;
+        self.export_into(page, &self.store_layout(KvCodec::None), &mut out)?;
         Ok(out)
     }
 
-    /// Fills a page from a store payload.
+    /// Fills a page from a store block's stored payload of `layout`.
     ///
-    /// On the CPU each layer's K and V part is one copy straight into the
-    /// pool's memory; other devices go through a host tensor.
-    pub fn import(&self, page: PageId, payload: &[u8]) -> Result<(), EngineError> {
-        let part = self.check_payload(payload.len())?;
-        let head_bytes = self.block_tokens * self.head_dim * 4;
-        let mut parts = payload.chunks_exact(part);
+    /// On the CPU each head of each layer's K and V is decoded straight
+    /// into the pool's memory (without a codec, one copy); other devices go
+    /// through a host tensor.
+    pub fn import(
+        &self,
+        page: PageId,
+        layout: &KvLayout,
+        payload: &[u8],
+    ) -> Result<(), EngineError> {
+        let run = self.check_payload(layout, payload.len())?;
+        let mut at = 0u64;
         for layer in 0..self.k.len() {
             for t in [&self.k[layer], &self.v[layer]] {
-                let bytes = parts
-                    .next()
-                    .ok_or_else(|| EngineError::Request("short KV payload".into()))?;
-                for (h, bytes) in bytes.chunks_exact(head_bytes).enumerate() {
+                for h in 0..self.kv_heads {
                     let row = self.row(page, h, 0);
                     if self.device.is_cpu() {
                         t.inplace_op1(&WritePage {
                             offset: row * self.head_dim,
-                            bytes,
+                            elems: self.block_tokens * self.head_dim,
+                            layout,
+                            stored: payload,
+                            from: at,
                         })?;
                     } else {
+                        let mut bytes = vec![0u8; run as usize];
+                        layout.decode_into(payload, at, &mut bytes)?;
                         let src = Tensor::from_raw_buffer(
-                            bytes,
+                            &bytes,
                             DType::F32,
                             &[self.block_tokens, self.head_dim],
                             &self.device,
                         )?;
                         t.slice_set(&src, 0, row)?;
                     }
+                    at += run;
                 }
             }
         }
@@ -392,14 +422,23 @@ impl KvPool {
 
     /// Checks that a payload of `len` bytes fits a page; returns the bytes
     /// of one layer's K (or V) part.
-    fn check_payload(&self, len: usize) -> Result<usize, EngineError> {
-        if len != self.page_bytes() {
+    /// Checks that `layout` is this pool's page (any codec) and `len` its
+    /// stored payload; returns the logical bytes of one head's run of one
+    /// part (`block_tokens * head_dim` f32).
+    fn check_payload(&self, layout: &KvLayout, len: usize) -> Result<u64, EngineError> {
+        if *layout != self.store_layout(layout.codec) {
             return Err(EngineError::Request(format!(
-                "KV block of {len} bytes does not fit pages of {} bytes",
-                self.page_bytes()
+                "KV blocks of {layout} do not fit pages of {}",
+                self.store_layout(layout.codec)
             )));
         }
-        Ok(self.kv_heads * self.block_tokens * self.head_dim * 4)
+        if len as u64 != layout.stored_payload_bytes() {
+            return Err(EngineError::Request(format!(
+                "KV block of {len} bytes does not fit pages of {} bytes",
+                layout.stored_payload_bytes()
+            )));
+        }
+        Ok((self.block_tokens * self.head_dim * 4) as u64)
     }
 }
 
@@ -428,12 +467,16 @@ impl InplaceOp1 for Commit {
     }
 }
 
-/// Writes little-endian f32 `bytes` into a CPU tensor's memory at element
-/// `offset` (of its contiguous storage), in place: the one copy of (one
-/// head of one part of) a page import.
+/// Decodes one head of one part of a stored page (`elems` f32 from
+/// logical payload byte `from` of `stored`) into a CPU tensor's memory at
+/// element `offset` (of its contiguous storage), in place: the one copy of
+/// a page import, which is also its decode.
 struct WritePage<'a> {
     offset: usize,
-    bytes: &'a [u8],
+    elems: usize,
+    layout: &'a KvLayout,
+    stored: &'a [u8],
+    from: u64,
 }
 
 impl InplaceOp1 for WritePage<'_> {
@@ -446,10 +489,11 @@ impl InplaceOp1 for WritePage<'_> {
         let start = range.start;
         let from = start + self.offset;
         let dst = all
-            .get_mut(from..from + self.bytes.len() / 4)
+            .get_mut(from..from + self.elems)
             .ok_or_else(|| candle_core::Error::Msg("page outside the pool".into()))?;
-        bytemuck::cast_slice_mut(dst).copy_from_slice(self.bytes);
-        Ok(())
+        self.layout
+            .decode_into(self.stored, self.from, bytemuck::cast_slice_mut(dst))
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
     }
 }
 
@@ -538,8 +582,9 @@ mod tests {
         for layer in 0..2 {
             pool.write(layer, &[1], 0, &k, &v).unwrap();
         }
+        let plain = pool.store_layout(KvCodec::None);
         let mut block = vec![0xAAu8; pool.page_bytes()];
-        pool.export_into(1, &mut block).unwrap();
+        pool.export_into(1, &plain, &mut block).unwrap();
         assert_eq!(block, pool.export(1).unwrap());
         let first: Vec<f32> = bytemuck::cast_slice(&block[..96]).to_vec();
         assert_eq!(
@@ -547,7 +592,7 @@ mod tests {
             (0..24).map(|x| x as f32).collect::<Vec<_>>(),
             "layer 0 K first"
         );
-        pool.import(3, &block).unwrap();
+        pool.import(3, &plain, &block).unwrap();
         for layer in 0..2 {
             let got = pool.page_k(layer, 3).unwrap().flatten_all().unwrap();
             let want = k.flatten_all().unwrap();
@@ -561,7 +606,15 @@ mod tests {
                 v.flatten_all().unwrap().to_vec1::<f32>().unwrap()
             );
         }
-        assert!(pool.import(0, &block[1..]).is_err(), "a short payload");
+        assert!(
+            pool.import(0, &plain, &block[1..]).is_err(),
+            "a short payload"
+        );
+        let other = KvLayout {
+            block_tokens: 4,
+            ..plain
+        };
+        assert!(pool.import(0, &other, &block).is_err(), "another page size");
         // The first two token rows of page 3 into page 0: those rows equal,
         // the third row untouched (zero).
         pool.copy_rows(3, 0, 2).unwrap();
@@ -591,6 +644,50 @@ mod tests {
             }
         }
         assert!(pool.copy_rows(3, 0, 4).is_err(), "more rows than a page");
-        assert!(pool.export_into(0, &mut block[..8]).is_err());
+        assert!(pool.export_into(0, &plain, &mut block[..8]).is_err());
+    }
+
+    #[test]
+    fn a_coded_page_comes_back_within_its_codec_bound() {
+        let pool = KvPool::new(2, 2, 4, 3, 4, &Device::Cpu).unwrap();
+        let k = Tensor::arange(0f32, 24., &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3, 4))
+            .unwrap();
+        let k = ((k - 11.5).unwrap() * 0.3).unwrap();
+        let v = (&k * -2.0).unwrap();
+        for layer in 0..2 {
+            pool.write(layer, &[1], 0, &k, &v).unwrap();
+        }
+        let want = pool.export(1).unwrap();
+        let want: &[f32] = bytemuck::cast_slice(&want);
+        for codec in [KvCodec::Bf16, KvCodec::Fp8E4m3, KvCodec::Int8] {
+            let layout = pool.store_layout(codec);
+            let mut stored = vec![0u8; layout.stored_payload_bytes() as usize];
+            assert!(
+                stored.len() < pool.page_bytes(),
+                "{codec} stores fewer bytes"
+            );
+            pool.export_into(1, &layout, &mut stored).unwrap();
+            pool.import(2, &layout, &stored).unwrap();
+            let got = pool.export(2).unwrap();
+            let got: &[f32] = bytemuck::cast_slice(&got);
+            // Each 4-value row's scale is its own largest magnitude.
+            for (w, g) in want.chunks(4).zip(got.chunks(4)) {
+                let amax = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+                for (x, y) in w.iter().zip(g) {
+                    let bound = match codec {
+                        KvCodec::Bf16 => x.abs() / 256.0,
+                        KvCodec::Fp8E4m3 => x.abs() / 16.0 + amax / 448.0 / 1024.0,
+                        _ => amax / 127.0 / 2.0 * 1.001,
+                    };
+                    assert!((x - y).abs() <= bound, "{codec}: {x} came back as {y}");
+                }
+            }
+            assert!(
+                pool.import(2, &layout, &stored[..stored.len() - 1])
+                    .is_err()
+            );
+        }
     }
 }

@@ -539,16 +539,18 @@ impl ModelConfig {
             .unwrap_or_default()
     }
 
-    /// The store layout of one KV block of `block_tokens` tokens (f32 KV).
+    /// The store layout of one KV block of `block_tokens` tokens: f32 KV,
+    /// layer-major (a G1 page's own order, `kv_pool.rs`), uncoded.
     pub fn kv_layout(&self, block_tokens: usize) -> KvLayout {
         KvLayout {
-            layers: self.num_hidden_layers as u32,
-            kv_heads: self.kv_heads() as u32,
-            head_dim: self.head_dim() as u32,
-            block_tokens: block_tokens as u32,
-            dtype: KvDtype::F32,
-            arrangement: Arrangement::KvMajor,
-            shard: None,
+            arrangement: Arrangement::LayerMajor,
+            ..KvLayout::kv_major(
+                self.num_hidden_layers as u32,
+                self.kv_heads() as u32,
+                self.head_dim() as u32,
+                block_tokens as u32,
+                KvDtype::F32,
+            )
         }
     }
 

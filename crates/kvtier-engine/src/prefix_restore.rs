@@ -406,7 +406,7 @@ impl Engine {
         let Ok(page) = self.alloc_page(last) else {
             return false;
         };
-        if let Err(e) = self.pool.import(page, block.payload()) {
+        if let Err(e) = self.pool.import(page, &self.kv_layout, block.payload()) {
             tracing::warn!("restoring block {key} failed: {e}; recomputing");
             self.pool.release(page);
             self.pool.free(page);

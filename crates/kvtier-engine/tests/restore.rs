@@ -27,6 +27,7 @@ fn opts(reuse: bool) -> EngineOptions {
 
 fn store_opts(cache: &Path) -> StoreOptions {
     StoreOptions {
+        codec: kvtier_store::KvCodec::None,
         memory_bytes: 64 << 20,
         disk_dirs: vec![cache.to_path_buf()],
         disk_bytes: 64 << 20,

@@ -35,6 +35,7 @@ fn engine(model: &Path, remote: Option<&str>) -> Engine {
         let mut r = RemoteConfig::new(url);
         r.timeout = Duration::from_secs(20);
         StoreOptions {
+            codec: kvtier_store::KvCodec::None,
             memory_bytes: 64 << 20,
             disk_dirs: vec![],
             disk_bytes: 0,

@@ -348,6 +348,7 @@ fn store_options(opts: &ServeOptions) -> Result<Option<StoreOptions>, ServeError
         disk_bytes: opts.g3_bytes,
         remote,
         g3_sync: Some(opts.g3_sync),
+        codec: opts.kv_offload_codec,
     }))
 }
 

@@ -176,7 +176,8 @@ pub fn prefill(opts: &PrefillOptions) -> Result<PrefillReport, ServeError> {
     })?;
     let total_seconds = t0.elapsed().as_secs_f64();
     let m = store.metrics();
-    let block_bytes = store.layout().payload_bytes() + kvtier_store::block::HEADER_BYTES as u64;
+    let block_bytes =
+        store.layout().stored_payload_bytes() + kvtier_store::block::HEADER_BYTES as u64;
     let report = PrefillReport {
         prompt_tokens: tokens.len(),
         computed_tokens: p.computed_tokens,

@@ -44,6 +44,9 @@ pub struct ServeOptions {
     /// only on eviction and at a clean stop) (default: 1 s,
     /// [`kvtier_store::DEFAULT_G3_SYNC`]).
     pub g3_sync: Duration,
+    /// How G2, G3 and G4 store KV blocks (`--kv-offload-codec`; G1 keeps
+    /// f32) (default: none).
+    pub kv_offload_codec: kvtier_store::KvCodec,
     /// Longest sequence (prompt + generated tokens) served; also capped by
     /// the model's `max_position_embeddings` (default: 8192).
     pub max_seq_tokens: usize,
@@ -97,6 +100,7 @@ impl Default for ServeOptions {
             g2_bytes: 1 << 30,
             g3_bytes: 16 << 30,
             g3_sync: kvtier_store::DEFAULT_G3_SYNC,
+            kv_offload_codec: kvtier_store::KvCodec::None,
             max_seq_tokens: 8192,
             max_prompt_tokens: None,
             max_batch: 8,

@@ -8,7 +8,7 @@
 //! | 0..4     | magic `b"KVTB"`                                   |
 //! | 4..6     | format version, `u16` (= [`FORMAT_VERSION`])      |
 //! | 6        | dtype ([`KvDtype`] discriminant)                  |
-//! | 7        | compression ([`Compression`] discriminant)        |
+//! | 7        | codec ([`KvCodec`] discriminant)                  |
 //! | 8..24    | block key                                         |
 //! | 24..40   | model fingerprint                                 |
 //! | 40..44   | layers, `u32`                                     |
@@ -32,6 +32,7 @@ use std::sync::Arc;
 
 use kvtier_io::buffer::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
 
+use crate::codec::{CodecError, KvCodec};
 use crate::key::{BlockKey, ModelFingerprint};
 use crate::kv_layout::{Arrangement, KvDtype, KvLayout, LayoutError, TpShard};
 
@@ -65,29 +66,11 @@ pub(crate) fn slot_bytes(payload: u64) -> u64 {
 
 impl KvLayout {
     /// Bytes one encoded block occupies on disk (its slot size): header plus
-    /// payload, rounded up to [`DIRECT_IO_ALIGN`].
+    /// stored payload ([`KvLayout::stored_payload_bytes`]), rounded up to [`DIRECT_IO_ALIGN`].
     ///
     /// Saturates at `u64::MAX` for layouts that fail [`KvLayout::validate`].
     pub fn encoded_bytes(&self) -> u64 {
-        slot_bytes(self.payload_bytes())
-    }
-}
-
-/// How the payload is stored. The discriminant is the header byte.
-#[repr(u8)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Compression {
-    /// Raw payload bytes.
-    None = 0,
-}
-
-impl Compression {
-    /// The compression stored as byte `v` in a header; `None` if unknown.
-    pub fn from_u8(v: u8) -> Option<Self> {
-        match v {
-            0 => Some(Compression::None),
-            _ => None,
-        }
+        slot_bytes(self.stored_payload_bytes())
     }
 }
 
@@ -117,9 +100,13 @@ pub enum BlockError {
     /// The arrangement byte names no known [`Arrangement`].
     #[error("unknown KV arrangement byte {0}")]
     UnknownArrangement(u8),
-    /// The compression byte names no known [`Compression`].
-    #[error("unknown compression byte {0}")]
-    UnknownCompression(u8),
+    /// The codec byte names no known [`KvCodec`] (a block from a newer
+    /// kvtier): a miss like any other.
+    #[error("unknown KV codec byte {0}")]
+    UnknownCodec(u8),
+    /// The payload could not be coded (fp8/int8 and a NaN or Inf value).
+    #[error("{0}")]
+    Codec(#[from] CodecError),
     /// Reserved header bytes are not zero.
     #[error("reserved header bytes are not zero")]
     ReservedNotZero,
@@ -183,10 +170,9 @@ pub struct BlockHeader {
     pub key: BlockKey,
     /// Model the KV came from.
     pub fingerprint: ModelFingerprint,
-    /// Shape and dtype of the payload (`block_tokens` = tokens in the block).
+    /// Shape, dtype and codec of the payload (`block_tokens` = tokens in
+    /// the block).
     pub layout: KvLayout,
-    /// How the payload is stored.
-    pub compression: Compression,
     /// Payload bytes following the header.
     pub payload_len: u64,
     /// Writer-assigned sequence number: G3 keeps the highest generation of a
@@ -225,7 +211,7 @@ impl BlockHeader {
         let version: u16 = if v2 { 2 } else { 1 };
         b[4..6].copy_from_slice(&version.to_le_bytes());
         b[6] = self.layout.dtype as u8;
-        b[7] = self.compression as u8;
+        b[7] = self.layout.codec as u8;
         b[8..24].copy_from_slice(&self.key.0);
         b[24..40].copy_from_slice(&self.fingerprint.0);
         b[40..44].copy_from_slice(&self.layout.layers.to_le_bytes());
@@ -250,9 +236,9 @@ impl BlockHeader {
     /// Parses and validates the header at the start of `bytes` (extra bytes
     /// after the first 128 are ignored).
     ///
-    /// Checks, in order: length, magic, version, dtype, compression,
+    /// Checks, in order: length, magic, version, dtype, codec,
     /// arrangement, reserved bytes zero (and no rank without a world), header checksum, [`KvLayout::validate`], and
-    /// `payload_len == layout.payload_bytes()`. Never panics.
+    /// `payload_len == layout.stored_payload_bytes()`. Never panics.
     pub fn decode(bytes: &[u8]) -> Result<BlockHeader, BlockError> {
         let b: &[u8; HEADER_BYTES] = bytes
             .get(..HEADER_BYTES)
@@ -269,7 +255,7 @@ impl BlockHeader {
             return Err(BlockError::UnsupportedVersion(version));
         }
         let dtype = KvDtype::from_u8(b[6]).ok_or(BlockError::UnknownDtype(b[6]))?;
-        let compression = Compression::from_u8(b[7]).ok_or(BlockError::UnknownCompression(b[7]))?;
+        let codec = KvCodec::from_u8(b[7]).ok_or(BlockError::UnknownCodec(b[7]))?;
         let arrangement =
             Arrangement::from_u8(b[76]).ok_or(BlockError::UnknownArrangement(b[76]))?;
         let v1_extended = version == 1 && b[V2_RANGE].iter().any(|&x| x != 0);
@@ -292,12 +278,13 @@ impl BlockHeader {
             head_dim: le_u32(b, 48),
             block_tokens: le_u32(b, 52),
             dtype,
+            codec,
             arrangement,
             shard,
         };
         layout.validate()?;
         let payload_len = le_u64(b, 56);
-        let expected = layout.payload_bytes();
+        let expected = layout.stored_payload_bytes();
         if payload_len != expected {
             return Err(BlockError::PayloadLength {
                 header: payload_len,
@@ -308,7 +295,6 @@ impl BlockHeader {
             key: BlockKey(bytes16(b, 8)),
             fingerprint: ModelFingerprint(bytes16(b, 24)),
             layout,
-            compression,
             payload_len,
             generation: le_u64(b, 64),
             payload_crc32c: le_u32(b, 72),
@@ -329,6 +315,11 @@ impl BlockHeader {
 /// header and the payload checksum. Filling it saves the copy that encoding
 /// a separately held payload ([`encode_block`]) costs: the engine exports a
 /// G1 page directly into one.
+///
+/// The payload is the *stored* form ([`KvLayout::stored_payload_bytes`]):
+/// with a codec, the producer codes into it
+/// ([`KvLayout::encode_into`], region by region from its own memory);
+/// without one it is the engine's bytes as they are.
 ///
 /// The buffer may be recycled memory holding an older block's bytes: the
 /// producer must write every payload byte before sealing (the padding after
@@ -361,7 +352,7 @@ impl BlockBuf {
                 buf.len()
             )));
         }
-        let end = HEADER_BYTES + layout.payload_bytes() as usize;
+        let end = HEADER_BYTES + layout.stored_payload_bytes() as usize;
         buf[end..].fill(0);
         Ok(Self { buf, layout })
     }
@@ -371,9 +362,9 @@ impl BlockBuf {
         self.layout
     }
 
-    /// The payload, to be written in full by the producer.
+    /// The stored payload, to be written in full by the producer.
     pub fn payload_mut(&mut self) -> &mut [u8] {
-        let end = HEADER_BYTES + self.layout.payload_bytes() as usize;
+        let end = HEADER_BYTES + self.layout.stored_payload_bytes() as usize;
         &mut self.buf[HEADER_BYTES..end]
     }
 
@@ -386,12 +377,11 @@ impl BlockBuf {
         fingerprint: ModelFingerprint,
         generation: u64,
     ) -> AlignedBuf {
-        let payload_len = self.layout.payload_bytes();
+        let payload_len = self.layout.stored_payload_bytes();
         let header = BlockHeader {
             key,
             fingerprint,
             layout: self.layout,
-            compression: Compression::None,
             payload_len,
             generation,
             payload_crc32c: crc32c::crc32c(self.payload_mut()),
@@ -401,12 +391,14 @@ impl BlockBuf {
     }
 }
 
-/// Encodes header and payload into one zero-padded [`AlignedBuf`] from
-/// `alloc`, of length [`BlockHeader::encoded_len`] (a multiple of
-/// [`DIRECT_IO_ALIGN`], aligned to it), computing the payload checksum.
+/// Encodes header and payload (the engine's bytes, coded here by the
+/// layout's codec) into one zero-padded [`AlignedBuf`] from `alloc`, of
+/// length [`BlockHeader::encoded_len`] (a multiple of [`DIRECT_IO_ALIGN`],
+/// aligned to it), computing the payload checksum.
 ///
 /// Fails if the layout is invalid, `payload.len() != layout.payload_bytes()`,
-/// or allocation fails.
+/// the codec refuses a value ([`CodecError::NotFinite`]) or allocation
+/// fails.
 pub fn encode_block(
     key: BlockKey,
     fingerprint: ModelFingerprint,
@@ -424,7 +416,7 @@ pub fn encode_block(
         });
     }
     let mut block = BlockBuf::new(layout, alloc)?;
-    block.payload_mut().copy_from_slice(payload);
+    layout.encode_into(0, payload, block.payload_mut())?;
     Ok(block.seal(key, fingerprint, generation))
 }
 
@@ -477,6 +469,7 @@ mod tests {
             head_dim: 4,
             block_tokens: 2,
             dtype: KvDtype::F32,
+            codec: crate::KvCodec::None,
             arrangement: Arrangement::KvMajor,
             shard: None,
         }
@@ -488,21 +481,44 @@ mod tests {
             .collect()
     }
 
+    /// A payload of small finite values of the layout's dtype (any codec
+    /// takes it).
+    fn finite_payload(layout: &KvLayout, salt: u8) -> Vec<u8> {
+        let n = (layout.payload_bytes() / u64::from(layout.dtype.size_bytes())) as usize;
+        (0..n)
+            .flat_map(|i| {
+                let v = ((i * 31 + usize::from(salt)) % 17) as f32 * 0.25 - 2.0;
+                match layout.dtype {
+                    KvDtype::F32 => v.to_le_bytes().to_vec(),
+                    KvDtype::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+                    KvDtype::Bf16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                    KvDtype::F8E4m3 => vec![float8::F8E4M3::from_f32(v).to_bits()],
+                }
+            })
+            .collect()
+    }
+
     fn arb_layout() -> impl Strategy<Value = KvLayout> {
         (
             (1u32..5, 1u32..5, 1u32..33, 1u32..17),
             prop::sample::select(KvDtype::ALL.to_vec()),
             prop::sample::select(Arrangement::ALL.to_vec()),
             prop::option::of((2u16..9).prop_flat_map(|w| (0..w, Just(w)))),
+            prop::sample::select(KvCodec::ALL.to_vec()),
         )
             .prop_map(
-                |((layers, kv_heads, head_dim, block_tokens), dtype, arrangement, shard)| {
+                |((layers, kv_heads, head_dim, block_tokens), dtype, arrangement, shard, codec)| {
                     KvLayout {
                         layers,
                         kv_heads,
                         head_dim,
                         block_tokens,
                         dtype,
+                        codec: if codec.supports(dtype) {
+                            codec
+                        } else {
+                            KvCodec::None
+                        },
                         arrangement,
                         shard: shard.map(|(rank, world)| TpShard { rank, world }),
                     }
@@ -517,7 +533,6 @@ mod tests {
             key: BlockKey([0x11; 16]),
             fingerprint: ModelFingerprint([0x22; 16]),
             layout,
-            compression: Compression::None,
             payload_len: layout.payload_bytes(),
             generation: 0x0102_0304_0506_0708,
             payload_crc32c: 0xdead_beef,
@@ -553,6 +568,7 @@ mod tests {
                 head_dim: 64,
                 block_tokens: 16,
                 dtype: KvDtype::Bf16,
+                codec: crate::KvCodec::None,
                 arrangement: Arrangement::KvMajor,
                 shard: None,
             },
@@ -563,6 +579,7 @@ mod tests {
                 head_dim: 1,
                 block_tokens: (4096 - 128) / 2,
                 dtype: KvDtype::F8E4m3,
+                codec: crate::KvCodec::None,
                 arrangement: Arrangement::KvMajor,
                 shard: None,
             },
@@ -585,7 +602,6 @@ mod tests {
             assert_eq!(h.fingerprint, ModelFingerprint([4; 16]));
             assert_eq!(h.layout, layout);
             assert_eq!(h.generation, 7);
-            assert_eq!(h.compression, Compression::None);
             assert_eq!(h.payload_crc32c, crc32c::crc32c(&payload));
             assert_eq!(h.encoded_len(), buf.len());
             // The exact header+payload prefix (no padding) also decodes.
@@ -687,11 +703,15 @@ mod tests {
         assert_eq!(decode_block(&b, None), Err(BlockError::ReservedNotZero));
         let b = reseal(&|b| b[6] = 9);
         assert_eq!(decode_block(&b, None), Err(BlockError::UnknownDtype(9)));
-        let b = reseal(&|b| b[7] = 1);
-        assert_eq!(
+        // A codec from a newer kvtier is a miss, never a crash.
+        let b = reseal(&|b| b[7] = 9);
+        assert_eq!(decode_block(&b, None), Err(BlockError::UnknownCodec(9)));
+        // A known codec with the uncoded payload's length is a miss too.
+        let b = reseal(&|b| b[7] = KvCodec::Int8 as u8);
+        assert!(matches!(
             decode_block(&b, None),
-            Err(BlockError::UnknownCompression(1))
-        );
+            Err(BlockError::PayloadLength { .. })
+        ));
         let b = reseal(&|b| b[100] = 1);
         assert_eq!(decode_block(&b, None), Err(BlockError::ReservedNotZero));
         let mut b = good.clone();
@@ -805,8 +825,7 @@ mod tests {
                 key: BlockKey(key),
                 fingerprint: ModelFingerprint(fp),
                 layout,
-                compression: Compression::None,
-                payload_len: layout.payload_bytes(),
+                payload_len: layout.stored_payload_bytes(),
                 generation,
                 payload_crc32c: crc,
             };
@@ -867,16 +886,21 @@ mod tests {
             flip in any::<prop::sample::Index>(),
         ) {
             let alloc = system_allocator();
-            let payload = payload_for(&layout, salt);
+            let payload = finite_payload(&layout, salt);
             let key = BlockKey(key);
             let buf = encode_block(key, ModelFingerprint([1; 16]), layout, generation, &payload, &alloc)
                 .unwrap();
             prop_assert_eq!(buf.len() % DIRECT_IO_ALIGN, 0);
             let (h, p) = decode_block(&buf, Some(&key)).unwrap();
-            prop_assert_eq!(p, &payload[..]);
+            prop_assert_eq!(p.len() as u64, layout.stored_payload_bytes());
+            let mut back = vec![0u8; payload.len()];
+            layout.decode_into(p, 0, &mut back).unwrap();
+            if layout.codec == KvCodec::None {
+                prop_assert_eq!(&back, &payload);
+            }
             prop_assert_eq!(h.generation, generation);
 
-            let end = HEADER_BYTES + payload.len();
+            let end = HEADER_BYTES + p.len();
             let bit = flip.index(end * 8);
             let mut b = buf.to_vec();
             b[bit / 8] ^= 1 << (bit % 8);

@@ -12,6 +12,7 @@ use std::fmt;
 
 use xxhash_rust::xxh3::{Xxh3Default, xxh3_128};
 
+use crate::codec::KvCodec;
 use crate::kv_layout::{Arrangement, KvLayout};
 
 /// Domain-separation string hashed first into every key-chain seed. Bump the
@@ -114,14 +115,15 @@ impl KeyChain {
     /// 2. the 16 fingerprint bytes,
     /// 3. the layout as 17 bytes: `layers`, `kv_heads`, `head_dim`,
     ///    `block_tokens` (each `u32` little-endian) then the dtype byte;
-    ///    a layout with another arrangement than KV-major or with a shard
-    ///    appends 5 bytes: the arrangement byte, the rank and the world
-    ///    (`u16` little-endian each, both 0 unsharded), 22 in all,
+    ///    a layout with another arrangement than KV-major, with a shard or
+    ///    with a codec appends 5 bytes: the arrangement byte, the rank and
+    ///    the world (`u16` little-endian each, both 0 unsharded), 22 in all,
+    ///    and one with a codec then its codec byte, 23 in all,
     /// 4. the tenant salt.
     ///
     /// docs/keys.md has the scheme and golden vectors.
     pub fn new(fingerprint: &ModelFingerprint, layout: &KvLayout, tenant_salt: &[u8]) -> Self {
-        let mut layout_bytes = [0u8; 22];
+        let mut layout_bytes = [0u8; 23];
         for (i, v) in [
             layout.layers,
             layout.kv_heads,
@@ -134,16 +136,21 @@ impl KeyChain {
             layout_bytes[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
         }
         layout_bytes[16] = layout.dtype as u8;
-        let extended = layout.arrangement != Arrangement::KvMajor || layout.shard.is_some();
-        let layout_len = if extended {
+        let coded = layout.codec != KvCodec::None;
+        let extended =
+            coded || layout.arrangement != Arrangement::KvMajor || layout.shard.is_some();
+        let mut layout_len = 17;
+        if extended {
             layout_bytes[17] = layout.arrangement as u8;
             let (rank, world) = layout.shard.map_or((0, 0), |s| (s.rank, s.world));
             layout_bytes[18..20].copy_from_slice(&rank.to_le_bytes());
             layout_bytes[20..22].copy_from_slice(&world.to_le_bytes());
-            22
-        } else {
-            17
-        };
+            layout_len = 22;
+        }
+        if coded {
+            layout_bytes[22] = layout.codec as u8;
+            layout_len = 23;
+        }
 
         let mut h = Xxh3Default::new();
         for field in [
@@ -309,6 +316,7 @@ mod tests {
             head_dim: 8,
             block_tokens: 4,
             dtype: KvDtype::F32,
+            codec: crate::KvCodec::None,
             arrangement: Arrangement::KvMajor,
             shard: None,
         }
@@ -382,6 +390,19 @@ mod tests {
         assert_eq!(
             chain.keys(&[0, 1, 2, 3])[0].to_hex(),
             "057b7b1c56e2c60123e1ba22fa05656f"
+        ); // A codec appends its byte to the extended layout: coded and
+        // uncoded KV never share a key.
+        let fp8 = KvLayout::kv_major(2, 2, 8, 4, KvDtype::F32).with_codec(KvCodec::Fp8E4m3);
+        let chain = KeyChain::new(&fp, &fp8, b"tenant-a");
+        assert_eq!(chain.seed().to_hex(), "412f5a943f2796c8a279fd5254753127");
+        assert_eq!(
+            chain.keys(&[0, 1, 2, 3])[0].to_hex(),
+            "15e7e8ba2f8aadc7445dc53474ba3f25"
+        );
+        let int8 = KvLayout::vllm_cpu(2, 2, 64, 128, KvDtype::Bf16).with_codec(KvCodec::Int8);
+        assert_eq!(
+            KeyChain::new(&fp, &int8, b"").seed().to_hex(),
+            "6efb42593c80d379dd73c8169e7d6bd6"
         );
     }
 

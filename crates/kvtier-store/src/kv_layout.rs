@@ -3,6 +3,9 @@
 //! regions per layer ([`Arrangement`]) and, for tensor parallelism, whose
 //! rank it is ([`TpShard`]).
 //!
+//! A [`KvLayout`] also names the codec the lower tiers store its payload
+//! in ([`KvCodec`], `codec.rs`).
+//!
 //! A [`KvLayout`] fixes the payload size of every block of a model, and so the
 //! size of its on-disk slot ([`KvLayout::encoded_bytes`], defined with the
 //! block format in [`crate::block`]). It is also part of
@@ -10,6 +13,8 @@
 //! layout or dtype can never be served to another.
 
 use std::fmt;
+
+use crate::codec::KvCodec;
 
 /// Largest payload a single block may carry (1 GiB). Layouts above it are
 /// rejected by [`KvLayout::validate`], which also bounds what a corrupt
@@ -185,8 +190,10 @@ pub struct KvLayout {
     pub head_dim: u32,
     /// Tokens per block.
     pub block_tokens: u32,
-    /// Element type.
+    /// Element type (of the engine's memory: what is saved and loaded).
     pub dtype: KvDtype,
+    /// How G2, G3 and G4 store the payload ([`KvCodec::None`]: as `dtype`).
+    pub codec: KvCodec,
     /// Where each layer's regions sit in the payload.
     pub arrangement: Arrangement,
     /// The tensor-parallel rank these blocks belong to; `None` unsharded.
@@ -208,9 +215,15 @@ impl KvLayout {
             head_dim,
             block_tokens,
             dtype,
+            codec: KvCodec::None,
             arrangement: Arrangement::KvMajor,
             shard: None,
         }
+    }
+
+    /// This layout with its payload stored by `codec`.
+    pub const fn with_codec(self, codec: KvCodec) -> Self {
+        Self { codec, ..self }
     }
 
     /// vLLM's CPU attention backend: per layer a tensor `[num_blocks,
@@ -320,9 +333,15 @@ impl KvLayout {
     }
 
     /// Checks that every dimension is at least 1, that a shard's rank is
-    /// below its world of at least 2, and that the payload fits in
-    /// [`MAX_PAYLOAD_BYTES`] without overflow.
+    /// below its world of at least 2, that the codec can store the dtype,
+    /// and that the payload fits in [`MAX_PAYLOAD_BYTES`] without overflow.
     pub fn validate(&self) -> Result<(), LayoutError> {
+        if !self.codec.supports(self.dtype) {
+            return Err(LayoutError(format!(
+                "the {} codec cannot store {} KV",
+                self.codec, self.dtype
+            )));
+        }
         if let Some(TpShard { rank, world }) = self.shard
             && (world < 2 || rank >= world)
         {
@@ -342,9 +361,11 @@ impl KvLayout {
         }
         match self.checked_payload_bytes() {
             None => Err(LayoutError(format!("payload size of {self} overflows u64"))),
-            Some(n) if n > MAX_PAYLOAD_BYTES => Err(LayoutError(format!(
-                "payload of {n} bytes for {self} exceeds the {MAX_PAYLOAD_BYTES}-byte limit"
-            ))),
+            Some(n) if n.max(self.stored_payload_bytes()) > MAX_PAYLOAD_BYTES => {
+                Err(LayoutError(format!(
+                    "payload of {n} bytes for {self} exceeds the {MAX_PAYLOAD_BYTES}-byte limit"
+                )))
+            }
             Some(_) => Ok(()),
         }
     }
@@ -357,6 +378,9 @@ impl fmt::Display for KvLayout {
             "{} layers x {} kv heads x {} head dim x {} tokens, {}",
             self.layers, self.kv_heads, self.head_dim, self.block_tokens, self.dtype
         )?;
+        if self.codec != KvCodec::None {
+            write!(f, " as {}", self.codec)?;
+        }
         if self.arrangement != Arrangement::KvMajor {
             write!(f, ", {}", self.arrangement.name())?;
         }
@@ -384,6 +408,7 @@ mod tests {
             head_dim: 8,
             block_tokens: 4,
             dtype: KvDtype::F32,
+            codec: crate::KvCodec::None,
             arrangement: Arrangement::KvMajor,
             shard: None,
         }
@@ -418,6 +443,7 @@ mod tests {
             head_dim: 128,
             block_tokens: 256,
             dtype: KvDtype::Bf16,
+            codec: crate::KvCodec::None,
             arrangement: Arrangement::KvMajor,
             shard: None,
         };
@@ -432,6 +458,7 @@ mod tests {
             head_dim: 1,
             block_tokens: (4096 - 128) / 2,
             dtype: KvDtype::F8E4m3,
+            codec: crate::KvCodec::None,
             arrangement: Arrangement::KvMajor,
             shard: None,
         };
@@ -561,6 +588,7 @@ mod tests {
             head_dim: u32::MAX,
             block_tokens: u32::MAX,
             dtype: KvDtype::F32,
+            codec: crate::KvCodec::None,
             arrangement: Arrangement::KvMajor,
             shard: None,
         };
@@ -576,6 +604,7 @@ mod tests {
             head_dim: 1,
             block_tokens: 1 << 29,
             dtype: KvDtype::F8E4m3,
+            codec: crate::KvCodec::None,
             arrangement: Arrangement::KvMajor,
             shard: None,
         };

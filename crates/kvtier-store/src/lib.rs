@@ -2,7 +2,8 @@
 //!
 //! Knows nothing about models: it stores fixed-size KV blocks named by
 //! chained prefix hashes ([`key`]), in a versioned, checksummed format
-//! ([`block`]) that every tier checks the same way ([`verify`]), across G2
+//! ([`block`], its payload optionally coded to fewer bytes: [`codec`])
+//! that every tier checks the same way ([`verify`]), across G2
 //! host memory ([`memory`]), G3 disk ([`disk`]) and a G4 shared pool
 //! ([`remote`]: Redis/Valkey, S3), with eviction policies ([`eviction`])
 //! and an admission filter ([`admission`]). [`TieredStore`] ([`store`]) is
@@ -13,6 +14,7 @@
 
 pub mod admission;
 pub mod block;
+pub mod codec;
 pub mod disk;
 pub mod eviction;
 mod handle;
@@ -27,6 +29,7 @@ pub mod verify;
 mod workers;
 
 pub use block::{BlockBuf, BlockError};
+pub use codec::{CodecError, KvCodec};
 pub use disk::{DiskConfig, DiskError, DiskTier, Recovery};
 pub use handle::Handle;
 pub use key::{BlockKey, KeyChain, ModelFingerprint};

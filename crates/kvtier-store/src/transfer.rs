@@ -24,7 +24,9 @@
 //! # Copies
 //!
 //! One copy per block each way, between the caller's memory and the
-//! store's block buffer, which is also the block's G2 copy (hits from G3
+//! store's block buffer (with a codec, the copy is the coding: a load
+//! decodes straight into the caller's memory, a save codes straight from
+//! it, `codec.rs`), which is also the block's G2 copy (hits from G3
 //! or G4 are promoted into G2) and the buffer G3's direct I/O reads into
 //! and writes from. Direct I/O cannot land in the caller's memory itself:
 //! a slot's payload starts 128 bytes in (after the header), off the device
@@ -42,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::codec::CodecError;
 use crate::key::BlockKey;
 use crate::kv_layout::KvLayout;
 use crate::metrics::Tier;
@@ -119,6 +122,9 @@ unsafe impl Send for BlockRegions {}
 impl BlockRegions {
     /// Pieces `(payload offset, pointer, length)` of one block's payload,
     /// checked to cover `layout`'s payload exactly once (in any order).
+    /// With a codec ([`KvLayout::codec`]) each piece must also start and
+    /// end on a `head_dim`-element boundary, where the stored form can be
+    /// decoded from and coded into.
     ///
     /// # Safety
     ///
@@ -137,6 +143,13 @@ impl BlockRegions {
             if ptr.is_null() || end.is_none_or(|e| e > payload) {
                 return Err(StoreError::Regions(format!(
                     "piece at payload offset {offset} of {len} bytes is null or ends past the {payload}-byte payload"
+                )));
+            }
+            if end.and_then(|e| layout.stored_range(offset..e)).is_none() {
+                return Err(StoreError::Regions(format!(
+                    "piece at payload offset {offset} of {len} bytes does not start and end on a \
+                     {}-element boundary, which the {} codec needs",
+                    layout.head_dim, layout.codec
                 )));
             }
             regions.push(Region {
@@ -164,25 +177,27 @@ impl BlockRegions {
         Ok(Self { regions })
     }
 
-    /// Copies `payload` into the caller's memory.
-    fn fill_from(&self, payload: &[u8]) {
+    /// Decodes `stored` (a verified block's stored payload, of `layout`)
+    /// into the caller's memory: a plain copy without a codec.
+    fn fill_from(&self, layout: &KvLayout, stored: &[u8]) -> Result<(), CodecError> {
         for r in &self.regions {
-            // SAFETY: `from_raw`'s contract; the range was checked against
-            // the layout's payload length, which `payload` has.
-            unsafe {
-                std::ptr::copy_nonoverlapping(payload.as_ptr().add(r.offset), r.ptr, r.len);
-            }
+            // SAFETY: `from_raw`'s contract: the caller's memory is valid
+            // for writes and ours alone until the transfer finishes.
+            let dst = unsafe { std::slice::from_raw_parts_mut(r.ptr, r.len) };
+            layout.decode_into(stored, r.offset as u64, dst)?;
         }
+        Ok(())
     }
 
-    /// Copies the caller's memory into `payload`.
-    fn copy_to(&self, payload: &mut [u8]) {
+    /// Codes the caller's memory into `stored` (a block's stored payload,
+    /// of `layout`): a plain copy without a codec.
+    fn copy_to(&self, layout: &KvLayout, stored: &mut [u8]) -> Result<(), CodecError> {
         for r in &self.regions {
-            // SAFETY: as in `fill_from`.
-            unsafe {
-                std::ptr::copy_nonoverlapping(r.ptr, payload.as_mut_ptr().add(r.offset), r.len);
-            }
+            // SAFETY: as in `fill_from`, for reads.
+            let src = unsafe { std::slice::from_raw_parts(r.ptr.cast_const(), r.len) };
+            layout.encode_into(r.offset as u64, src, stored)?;
         }
+        Ok(())
     }
 }
 
@@ -417,15 +432,16 @@ impl TieredStore {
         shared: &Shared,
     ) -> Vec<BlockResult> {
         use crate::store::Found;
+        let layout = self.layout();
         self.fetch(keys, false)
             .into_iter()
             .zip(dests)
             .map(|(found, dest)| match found {
                 _ if shared.is_cancelled() => BlockResult::Cancelled,
-                Found::Hit(block) => {
-                    dest.fill_from(block.payload());
-                    BlockResult::Hit(block.tier)
-                }
+                Found::Hit(block) => match dest.fill_from(&layout, block.payload()) {
+                    Ok(()) => BlockResult::Hit(block.tier),
+                    Err(e) => BlockResult::Error(e.to_string()),
+                },
                 Found::Miss => BlockResult::Miss,
                 Found::Corrupt(why) => BlockResult::Corrupt(why),
                 Found::Failed(why) => BlockResult::Error(why),
@@ -448,9 +464,14 @@ impl TieredStore {
             } else if held {
                 BlockResult::Present
             } else {
-                match self.new_block() {
-                    Ok(mut block) => {
-                        src.copy_to(block.payload_mut());
+                let layout = self.layout();
+                let filled = self.new_block().and_then(|mut block| {
+                    src.copy_to(&layout, block.payload_mut())
+                        .map_err(|e| StoreError::Block(e.into()))?;
+                    Ok(block)
+                });
+                match filled {
+                    Ok(block) => {
                         sealed.push((*key, block));
                         BlockResult::Stored
                     }

@@ -59,6 +59,7 @@ mod tests {
             head_dim: 8,
             block_tokens: 4,
             dtype: KvDtype::F32,
+            codec: crate::KvCodec::None,
             arrangement: Arrangement::KvMajor,
             shard: None,
         }

@@ -2,7 +2,8 @@
 //! (`TieredStore::load` / `save`): every arrangement round-trips through
 //! G2, G3 and a restart; corrupt, missing and unreachable blocks are each
 //! reported as such and leave the caller's memory untouched; cancelled
-//! blocks are never written; bad buffers are refused.
+//! blocks are never written; bad buffers are refused; every codec
+//! round-trips within its bound, decoded straight into the caller's memory.
 
 mod common;
 
@@ -10,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use kvtier_store::{
-    Arrangement, BlockKey, BlockRegions, BlockResult, KeyChain, KvDtype, KvLayout, Part,
+    Arrangement, BlockKey, BlockRegions, BlockResult, KeyChain, KvCodec, KvDtype, KvLayout, Part,
     RemoteConfig, StoreConfig, Tier, TieredStore, Transfer,
 };
 
@@ -179,6 +180,154 @@ fn every_arrangement_round_trips_through_g2_g3_and_a_restart() {
             }
         }
     }
+}
+
+/// Element `i` of page `page`, layer `layer`: finite, signed, with rows
+/// of very different magnitudes (what per-row scales are for).
+fn kv_value(page: usize, layer: usize, i: usize) -> f32 {
+    let row_scale = 10f32.powi((i / 64 % 7) as i32 - 3);
+    ((page * 131 + layer * 17 + i) as f32 * 0.37).sin() * row_scale
+}
+
+fn to_dtype(dtype: KvDtype, v: f32) -> Vec<u8> {
+    match dtype {
+        KvDtype::F32 => v.to_le_bytes().to_vec(),
+        KvDtype::Bf16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+        KvDtype::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+        KvDtype::F8E4m3 => unreachable!("no codec takes f8"),
+    }
+}
+
+fn from_dtype(dtype: KvDtype, b: &[u8]) -> f32 {
+    match dtype {
+        KvDtype::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        KvDtype::Bf16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        _ => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+    }
+}
+
+#[test]
+fn every_codec_round_trips_within_its_bound_through_g2_g3_and_a_restart() {
+    for (dtype, codec) in [
+        (KvDtype::F32, KvCodec::Bf16),
+        (KvDtype::F32, KvCodec::Fp8E4m3),
+        (KvDtype::F32, KvCodec::Int8),
+        (KvDtype::Bf16, KvCodec::Fp8E4m3),
+        (KvDtype::F16, KvCodec::Int8),
+    ] {
+        // vLLM's CPU page: a 128-value row per (head, token), K then V.
+        let layout = KvLayout::vllm_cpu(2, 2, 64, 16, dtype).with_codec(codec);
+        let plain = layout.with_codec(KvCodec::None);
+        assert!(layout.encoded_bytes() < plain.encoded_bytes(), "{layout}");
+        let size = dtype.size_bytes() as usize;
+        let n = layer_bytes(&layout);
+        let mut src = Cache::new(layout, 6, 0);
+        for (l, t) in src.layers.iter_mut().enumerate() {
+            for (i, e) in t.chunks_exact_mut(size).enumerate() {
+                e.copy_from_slice(&to_dtype(dtype, kv_value(i * size / n, l, i % (n / size))));
+            }
+        }
+        let keys = chain_keys(&layout, 6);
+        // Coded and uncoded KV of one model never share a key.
+        assert!(chain_keys(&plain, 6).iter().all(|k| !keys.contains(k)));
+        let dir = tempfile::tempdir().unwrap();
+        let written = src.layers.clone();
+        let check = |dst: &Cache, what: &str| {
+            for (l, (a, b)) in written.iter().zip(&dst.layers).enumerate() {
+                // Rows of 64 values (one head's K or V of one token).
+                for (r, (ra, rb)) in a.chunks(64 * size).zip(b.chunks(64 * size)).enumerate() {
+                    let want: Vec<f32> = ra.chunks(size).map(|e| from_dtype(dtype, e)).collect();
+                    let got: Vec<f32> = rb.chunks(size).map(|e| from_dtype(dtype, e)).collect();
+                    let amax = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    for (x, y) in want.iter().zip(&got) {
+                        // int8: half a step of amax/127; fp8: 1/16 relative
+                        // plus its subnormal step; bf16: 1/256 relative;
+                        // plus the dtype's own rounding of the result.
+                        let bound = match codec {
+                            KvCodec::Int8 => amax / 254.0,
+                            KvCodec::Fp8E4m3 => x.abs() / 16.0 + amax / 448.0 / 1024.0,
+                            _ => x.abs() / 256.0,
+                        } + x.abs() / 128.0 * f32::from(dtype != KvDtype::F32);
+                        assert!(
+                            (x - y).abs() <= bound * 1.001,
+                            "{layout} {what}: layer {l} row {r}: {x} came back as {y}"
+                        );
+                    }
+                }
+            }
+        };
+        {
+            let store = TieredStore::open(config(layout, dir.path(), 64)).unwrap();
+            let saved = wait(
+                store
+                    .save(keys.clone(), src.all_regions(0..6), None)
+                    .unwrap(),
+            );
+            assert_eq!(saved, vec![BlockResult::Stored; 6], "{layout}");
+            let mut dst = Cache::new(layout, 6, 0xAA);
+            let got = wait(
+                store
+                    .load(keys.clone(), dst.all_regions(0..6), None)
+                    .unwrap(),
+            );
+            assert_eq!(got, vec![BlockResult::Hit(Tier::G2); 6], "{layout}");
+            check(&dst, "from G2");
+            store.evict_memory().unwrap();
+            let mut dst = Cache::new(layout, 6, 0x55);
+            let got = wait(
+                store
+                    .load(keys.clone(), dst.all_regions(0..6), None)
+                    .unwrap(),
+            );
+            assert_eq!(got, vec![BlockResult::Hit(Tier::G3); 6], "{layout}");
+            check(&dst, "from G3");
+            store.close().unwrap();
+        }
+        let store = TieredStore::open(config(layout, dir.path(), 64)).unwrap();
+        let mut dst = Cache::new(layout, 6, 0x11);
+        let got = wait(
+            store
+                .load(keys.clone(), dst.all_regions(0..6), None)
+                .unwrap(),
+        );
+        assert_eq!(got, vec![BlockResult::Hit(Tier::G3); 6], "{layout}");
+        check(&dst, "after a restart");
+        // The same directory opened uncoded finds none of the coded blocks.
+        drop(store);
+        let other = TieredStore::open(config(plain, dir.path(), 64)).unwrap();
+        assert_eq!(other.lookup_prefix(&chain_keys(&plain, 6)).hits(), 0);
+    }
+}
+
+#[test]
+fn a_codec_refuses_non_finite_kv_and_pieces_off_its_groups() {
+    let layout = KvLayout::vllm_cpu(1, 1, 64, 16, KvDtype::F32).with_codec(KvCodec::Int8);
+    let n = layer_bytes(&layout);
+    let dir = tempfile::tempdir().unwrap();
+    let store = TieredStore::open(config(layout, dir.path(), 8)).unwrap();
+    let mut mem: Vec<u8> = (0..n / 4).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    mem[400..404].copy_from_slice(&f32::NAN.to_le_bytes());
+    let p = mem.as_mut_ptr();
+    // SAFETY: `mem` outlives the transfer, which is waited for.
+    let one = unsafe { BlockRegions::from_raw(&layout, &[(0, p, n)]) }.unwrap();
+    let keys = chain_keys(&layout, 1);
+    let got = wait(store.save(keys.clone(), vec![one], None).unwrap());
+    assert!(
+        matches!(&got[0], BlockResult::Error(why) if why.contains("non-finite")),
+        "{got:?}"
+    );
+    assert_eq!(store.lookup_prefix(&keys).hits(), 0, "nothing stored");
+    // A piece that splits a 64-value group cannot be decoded into.
+    let pieces = [
+        (0, p, 4 * 32),
+        (4 * 32, unsafe { p.add(4 * 32) }, n - 4 * 32),
+    ];
+    // SAFETY: refused before use.
+    let r = unsafe { BlockRegions::from_raw(&layout, &pieces) };
+    assert!(
+        r.is_err_and(|e| e.to_string().contains("64-element boundary")),
+        "a split group was accepted"
+    );
 }
 
 #[test]

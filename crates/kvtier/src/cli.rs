@@ -15,6 +15,17 @@ use kvtier_bench::store_bench::{G3_DEFAULT_TOTAL_BYTES, G4_DEFAULT_TOTAL_BYTES};
 
 use crate::remote_flags::RemoteFlags;
 
+/// Parses `--kv-offload-codec`: `none`, `bf16`, `fp8-e4m3` or `int8`.
+pub fn codec_arg(s: &str) -> Result<kvtier_store::KvCodec, String> {
+    kvtier_store::KvCodec::from_name(s).ok_or_else(|| {
+        let names: Vec<&str> = kvtier_store::KvCodec::ALL
+            .iter()
+            .map(|c| c.name())
+            .collect();
+        format!("unknown codec {s:?}: one of {}", names.join(", "))
+    })
+}
+
 /// kvtier: the storage path for LLM inference.
 ///
 /// Keeps KV cache, weights and checkpoints in the fastest tier that holds

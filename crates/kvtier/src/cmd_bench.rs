@@ -71,6 +71,13 @@ pub struct BenchCmdArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 256)]
     pub block_tokens: usize,
+    /// How G2, G3 and G4 store KV blocks: none (f32 as computed), bf16
+    /// (half the bytes), fp8-e4m3 or int8 (about a quarter, a scale per
+    /// token and head). G1 keeps f32; blocks are coded as they leave it and
+    /// decoded as they are restored. Part of every block key, so coded and
+    /// uncoded KV never mix (docs/block-format.md).
+    #[arg(long, value_name = "CODEC", default_value = "none", value_parser = crate::cli::codec_arg)]
+    pub kv_offload_codec: kvtier_store::KvCodec,
     /// G2 capacity.
     #[arg(long, value_parser = parse_size, default_value = "1GiB")]
     pub g2_bytes: u64,
@@ -111,6 +118,7 @@ impl BenchCmdArgs {
             concurrency: self.concurrency.clone(),
             keep_g2: self.keep_g2,
             block_tokens: self.block_tokens,
+            kv_offload_codec: self.kv_offload_codec,
             g2_bytes: self.g2_bytes,
             g3_bytes: self.g3_bytes,
             max_batch: self.max_batch,

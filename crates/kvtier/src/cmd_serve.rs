@@ -55,6 +55,14 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub block_tokens: u32,
 
+    /// How G2, G3 and G4 store KV blocks: none (f32 as computed), bf16
+    /// (half the bytes), fp8-e4m3 or int8 (about a quarter, a scale per
+    /// token and head). G1 keeps f32; blocks are coded as they leave it and
+    /// decoded as they are restored. Part of every block key, so coded and
+    /// uncoded KV never mix (docs/block-format.md).
+    #[arg(long, value_name = "CODEC", default_value = "none", value_parser = crate::cli::codec_arg)]
+    pub kv_offload_codec: kvtier_store::KvCodec,
+
     /// G1 pages [default: room for --max-batch full-context sequences, at
     /// most 2 GiB of KV, at least one full-context sequence].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
@@ -186,6 +194,7 @@ impl ServeArgs {
             g2_bytes: self.g2_bytes,
             g3_bytes: self.g3_bytes,
             g3_sync: std::time::Duration::from_millis(self.g3_sync_ms),
+            kv_offload_codec: self.kv_offload_codec,
             max_seq_tokens: self.max_seq_tokens as usize,
             max_prompt_tokens: self.max_prompt_tokens.map(|n| n as usize),
             max_batch: self.max_batch as usize,

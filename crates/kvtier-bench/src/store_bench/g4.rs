@@ -225,7 +225,7 @@ fn put_set(
 /// Reads blocks `0..n` back through the store in calls of `chunk`; every
 /// one must be a verified G4 hit carrying its own stamp. Seconds taken.
 fn restore_pass(store: &TieredStore, n: u64, chunk: u64, pb: &ProgressBar) -> Result<f64> {
-    let value_bytes = HEADER_BYTES as u64 + store.layout().payload_bytes();
+    let value_bytes = HEADER_BYTES as u64 + store.layout().stored_payload_bytes();
     let mut missing = 0u64;
     let mut first_bad: Option<String> = None;
     let t = Instant::now();

@@ -54,6 +54,7 @@ pub fn bench_layout(tokens: u64) -> Result<KvLayout, String> {
         block_tokens: u32::try_from(tokens)
             .map_err(|_| format!("{tokens} tokens per block is too many"))?,
         dtype: KvDtype::Bf16,
+        codec: kvtier_store::KvCodec::None,
         arrangement: Arrangement::KvMajor,
         shard: None,
     };

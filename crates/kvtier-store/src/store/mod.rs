@@ -180,7 +180,8 @@ pub struct StoredBlock {
 }
 
 impl StoredBlock {
-    /// The KV bytes.
+    /// The KV bytes as stored: with a codec, coded
+    /// ([`KvLayout::decode_into`] gives the engine's bytes back).
     pub fn payload(&self) -> &[u8] {
         &self.buf[HEADER_BYTES..HEADER_BYTES + self.payload_len]
     }
@@ -548,7 +549,7 @@ impl TieredStore {
         let Some(w) = &inner.write_through else {
             return;
         };
-        let sent_len = HEADER_BYTES + inner.layout.payload_bytes() as usize;
+        let sent_len = HEADER_BYTES + inner.layout.stored_payload_bytes() as usize;
         let batch = blocks
             .iter()
             .filter(|(k, _)| self.admits(k))

@@ -73,7 +73,7 @@ impl TieredStore {
     /// (the outcomes past it are misses).
     pub(crate) fn fetch(&self, keys: &[BlockKey], leading: bool) -> Vec<Found> {
         let inner = &self.inner;
-        let payload_len = inner.layout.payload_bytes() as usize;
+        let payload_len = inner.layout.stored_payload_bytes() as usize;
         let block = |i: usize, tier: Tier, buf: Arc<AlignedBuf>| StoredBlock {
             key: keys[i],
             tier,
@@ -194,7 +194,7 @@ impl TieredStore {
     /// check is deleted from the pool so no node reads it again.
     fn landed_g4(&self, key: &BlockKey, got: Fetched) -> Found {
         let g4 = &self.inner.metrics.g4;
-        let payload_len = self.inner.layout.payload_bytes() as usize;
+        let payload_len = self.inner.layout.stored_payload_bytes() as usize;
         match got {
             Some(Ok(buf)) => {
                 g4.hits.inc();

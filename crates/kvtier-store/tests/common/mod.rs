@@ -29,6 +29,7 @@ pub fn layout() -> KvLayout {
         head_dim: 64,
         block_tokens: 16,
         dtype: KvDtype::F32,
+        codec: kvtier_store::KvCodec::None,
         arrangement: Arrangement::KvMajor,
         shard: None,
     }
