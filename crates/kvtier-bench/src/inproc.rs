@@ -9,6 +9,7 @@ use kvtier_engine::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Sche
 use kvtier_engine::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, sampling::SamplingParams};
 
+use crate::accuracy::TOP_LOGPROBS;
 use crate::bench_error::BenchError;
 use crate::report::{Mode, RequestRecord, TierTokens};
 use crate::target::Target;
@@ -106,7 +107,12 @@ impl Target for InProcess {
             salt: Vec::new(),
             prompt,
             max_tokens,
-            sampling: SamplingParams::default(),
+            // Greedy, with the top log probabilities for the accuracy
+            // comparison (a log-softmax over the vocabulary per token).
+            sampling: SamplingParams {
+                logprobs: Some(TOP_LOGPROBS),
+                ..SamplingParams::default()
+            },
             stop_tokens: self.stop_tokens.clone(),
             events: tx.into(),
         });
@@ -130,11 +136,18 @@ impl Target for InProcess {
                     rec.restored_bytes = restored_bytes;
                     rec.restore_s = restore_seconds;
                 }
-                Ok(GenerateEvent::Token(_)) => {
+                Ok(GenerateEvent::Token(sampled)) => {
                     if rec.output_tokens == 0 {
                         rec.ttft_s = t0.elapsed().as_secs_f64();
                     }
                     rec.output_tokens += 1;
+                    rec.tokens.push(sampled.token);
+                    rec.top_logprobs.push(
+                        sampled
+                            .logprobs
+                            .map(|l| l.top.iter().map(|&(_, lp)| lp).collect())
+                            .unwrap_or_default(),
+                    );
                 }
                 Ok(GenerateEvent::Finished { .. }) => {
                     rec.e2e_s = t0.elapsed().as_secs_f64();
@@ -154,6 +167,17 @@ impl Target for InProcess {
         engine.flush_offload()?;
         self.engine = Some(engine);
         Ok(())
+    }
+
+    fn kv_form(&self) -> (String, f64) {
+        match self.engine.as_ref().and_then(|e| e.store()) {
+            Some(s) => {
+                let l = s.layout();
+                let ratio = l.payload_bytes() as f64 / l.stored_payload_bytes().max(1) as f64;
+                (l.codec.name().into(), ratio)
+            }
+            None => ("none".into(), 1.0),
+        }
     }
 
     fn io_mode(&self) -> String {

@@ -26,6 +26,7 @@
 //! [`stats`], [`size`], [`fill`], [`progress`], and [`TextReport`], the
 //! table every report prints.
 
+pub mod accuracy;
 pub mod bench_dir;
 pub mod bench_error;
 pub mod checkpoint_bench;

@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 
+use crate::accuracy::Accuracy;
 use crate::gates::GateResult;
 use crate::report_table::{Cell, Column, Table};
 pub use crate::run_summary::{Mode, Ratio, RequestRecord, RunSummary, TierTokens, ratios};
@@ -63,6 +64,12 @@ pub struct BenchReport {
     pub pass1_s: f64,
     /// When it ran (RFC 3339, UTC).
     pub started_at: String,
+    /// How the store kept the KV (`--kv-offload-codec`; "unknown" for an
+    /// endpoint).
+    pub kv_offload_codec: String,
+    /// Restored answers against recomputed ones at concurrency 1 (in
+    /// process only; [`crate::accuracy`]).
+    pub accuracy: Option<Accuracy>,
 }
 
 /// The columns of the runs table, in the terminal and in Markdown.
@@ -173,6 +180,38 @@ impl BenchReport {
             "device limit: {:.2} GB/s ({}); prefill {:.0} tok/s\n",
             self.machine.device_limit_gbps, self.machine.io_mode, self.prefill_tok_s
         ));
+        s.push_str(&self.accuracy_line());
+        s
+    }
+
+    /// The KV codec, the logical restore rate and the accuracy, one line
+    /// each.
+    fn accuracy_line(&self) -> String {
+        let mut s = format!("KV offload codec: {}", self.kv_offload_codec);
+        if let Some(r) = self
+            .results
+            .iter()
+            .find(|r| r.mode == Mode::Kvtier && r.restored_bytes > 0)
+        {
+            s.push_str(&format!(
+                "; restore at concurrency {}: {:.2} GB/s stored, {:.2} GB/s of f32 KV",
+                r.concurrency, r.restore_gbps, r.restore_gbps_logical
+            ));
+        }
+        s.push('\n');
+        match &self.accuracy {
+            Some(a) => s.push_str(&format!(
+                "restored vs recomputed (concurrency 1, {} requests, {} tokens): greedy agreement min {:.3} (worst {}), mean {:.3}, {} identical; max |delta logprob| top-5 {:.4}\n",
+                a.requests,
+                a.tokens,
+                a.greedy_agreement_min,
+                a.worst,
+                a.greedy_agreement_mean,
+                a.identical_requests,
+                a.max_abs_delta_logprob_top5
+            )),
+            None => s.push_str("restored vs recomputed: not measured (needs concurrency 1 in process)\n"),
+        }
         s
     }
 
@@ -213,6 +252,10 @@ impl BenchReport {
                 if g.passed { "PASS" } else { "FAIL" }
             ));
         }
+        s.push('\n');
+        for line in self.accuracy_line().lines() {
+            s.push_str(&format!("- {line}\n"));
+        }
         s
     }
 }
@@ -243,10 +286,14 @@ mod tests {
             "throughput_tok_s",
             "joules_per_token",
             "restore_gbps",
+            "restore_gbps_logical",
             "floor_ttft_s",
         ] {
             assert!(r[key].is_f64(), "{key} missing or not a number: {r}");
         }
+        assert!(r["restored_bytes"].is_u64());
+        assert!(v["kv_offload_codec"].is_string());
+        assert!(v["accuracy"].is_null(), "not measured: null");
         assert!(v["gates"].is_array());
         assert_eq!(v["energy_meter"], "model (modelled)");
     }

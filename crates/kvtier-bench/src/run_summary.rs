@@ -48,6 +48,13 @@ pub struct RequestRecord {
     pub restore_s: f64,
     /// Why it failed, if it did.
     pub error: Option<String>,
+    /// The generated tokens (in-process target; for [`crate::accuracy`]).
+    #[serde(skip)]
+    pub tokens: Vec<u32>,
+    /// Per generated token, the top-5 log probabilities, most likely first
+    /// (in-process target; for [`crate::accuracy`]).
+    #[serde(skip)]
+    pub top_logprobs: Vec<Vec<f32>>,
 }
 
 /// Tokens per tier.
@@ -104,8 +111,14 @@ pub struct RunSummary {
     pub avg_watts: f64,
     /// Cost per million output tokens, USD (cost model in the report).
     pub cost_per_mtok_usd: f64,
-    /// Restored KV bytes / engine restore time, GB/s (0 for baseline).
+    /// Restored KV bytes as stored (coded, `kv_offload_codec`) / engine
+    /// restore time, GB/s (0 for baseline): the physical rate.
     pub restore_gbps: f64,
+    /// The same restores counted in the engine's own bytes (f32 KV), GB/s:
+    /// the logical rate (`restore_gbps` times the codec's ratio).
+    pub restore_gbps_logical: f64,
+    /// KV bytes restored, as stored, summed over requests.
+    pub restored_bytes: u64,
     /// The byte-moving floor of TTFT p50: restored bytes at the device limit
     /// plus the uncached suffix at the measured prefill rate (baseline: the
     /// whole prompt at that rate).

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvtier_energy::{CostModel, MeterOptions, PowerMeter, best_meter};
 
+use crate::accuracy;
 use crate::bench_error::BenchError;
 use crate::gates::Gates;
 use crate::report::{
@@ -96,6 +97,8 @@ fn run_clients(
 struct Context {
     device_limit_gbps: f64,
     prefill_tok_s: f64,
+    /// The engine's KV bytes per stored byte (the codec's ratio).
+    logical_per_stored: f64,
 }
 
 fn summarize(
@@ -163,6 +166,12 @@ fn summarize(
         } else {
             0.0
         },
+        restore_gbps_logical: if restore_s > 0.0 {
+            restored as f64 * ctx.logical_per_stored / restore_s / 1e9
+        } else {
+            0.0
+        },
+        restored_bytes: restored,
         floor_ttft_s: percentile(&floors, 50.0).unwrap_or(0.0),
         hit_tokens: hits,
         requests: ok.len(),
@@ -240,9 +249,21 @@ pub fn run_cold_recovery(
         }
     }
     let device_limit_gbps = percentile(&limit_samples, 50.0).unwrap_or(0.0);
+    let (kv_offload_codec, logical_per_stored) = target.kv_form();
     let ctx = Context {
         device_limit_gbps,
         prefill_tok_s,
+        logical_per_stored,
+    };
+    // Restored answers against recomputed ones, one sequence at a time.
+    let at_one = |mode: Mode| {
+        raw.iter()
+            .find(|(m, c, ..)| *m == mode && *c == 1)
+            .map(|(_, _, recs, ..)| recs.as_slice())
+    };
+    let accuracy = match (at_one(Mode::Baseline), at_one(Mode::Kvtier)) {
+        (Some(reference), Some(restored)) => accuracy::compare(reference, restored),
+        _ => None,
     };
     let results: Vec<RunSummary> = raw
         .into_iter()
@@ -272,5 +293,7 @@ pub fn run_cold_recovery(
         prefill_tok_s,
         pass1_s,
         started_at,
+        kv_offload_codec,
+        accuracy,
     })
 }

@@ -21,4 +21,10 @@ pub trait Target: Sync {
     fn end(&mut self) -> Result<(), BenchError>;
     /// The G3 I/O mode, for the report.
     fn io_mode(&self) -> String;
+    /// How the target's store keeps KV: the codec's name and the engine's
+    /// bytes per stored byte ("unknown" and 1 where the target cannot
+    /// say).
+    fn kv_form(&self) -> (String, f64) {
+        ("unknown".into(), 1.0)
+    }
 }

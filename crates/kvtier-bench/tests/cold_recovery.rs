@@ -1,5 +1,6 @@
-//! A tiny cold-recovery run end to end: the report has its structure, and
-//! restoring beat recomputing.
+//! A tiny cold-recovery run end to end: the report has its structure,
+//! restoring beat recomputing and gave its answers; with each KV codec the
+//! store restores fewer bytes and the answers move only a little.
 
 // Test helpers outside #[test] fns may unwrap: a failure there is a test failure.
 #![allow(clippy::unwrap_used)]
@@ -7,15 +8,16 @@
 use std::time::Duration;
 
 use kvtier_bench::inproc::InProcess;
-use kvtier_bench::report::MachineInfo;
+use kvtier_bench::report::{BenchReport, MachineInfo};
 use kvtier_bench::{ColdRecoveryConfig, Gates, Hooks, Mode, RunOptions, run_cold_recovery};
 use kvtier_energy::{CostModel, MeterOptions};
 use kvtier_engine::scheduler::BatchConfig;
 use kvtier_engine::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
+use kvtier_store::KvCodec;
 
-#[test]
-fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
+/// The tiny cold-recovery run with the store keeping KV as `codec`.
+fn run_tiny(codec: KvCodec) -> BenchReport {
     let model = tempfile::tempdir().unwrap();
     let cache = tempfile::tempdir().unwrap();
     write_preset(Preset::Tiny, 9, model.path()).unwrap();
@@ -26,7 +28,7 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
         ..Default::default()
     };
     let store = StoreOptions {
-        codec: kvtier_store::KvCodec::None,
+        codec,
         memory_bytes: 32 << 20,
         disk_dirs: vec![cache.path().to_path_buf()],
         disk_bytes: 64 << 20,
@@ -63,7 +65,12 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
         device_limit: &mut limit,
         drop_page_cache: &mut drop_cache,
     };
-    let report = run_cold_recovery(&mut target, &run, hooks, MachineInfo::default()).unwrap();
+    run_cold_recovery(&mut target, &run, hooks, MachineInfo::default()).unwrap()
+}
+
+#[test]
+fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
+    let report = run_tiny(KvCodec::None);
 
     assert_eq!(
         report.results.len(),
@@ -118,4 +125,39 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
     assert!(json["results"][0]["floor_ttft_s"].as_f64().unwrap() > 0.0);
     assert!(report.table().contains("gates"));
     assert!(report.markdown().contains("| concurrency |"));
+    // Uncoded restores give the recompute's answers, token for token.
+    let acc = report.accuracy.as_ref().expect("measured at concurrency 1");
+    assert_eq!((acc.requests, acc.tokens), (4, 12), "{acc:?}");
+    assert_eq!(acc.identical_requests, 4, "{acc:?}");
+    assert_eq!(acc.greedy_agreement_min, 1.0);
+    // Not bit for bit: the suffix is computed in other chunks than the
+    // whole prompt was, and f32 sums round by their order.
+    assert!(acc.max_abs_delta_logprob_top5 < 1e-4, "{acc:?}");
+}
+
+#[test]
+fn a_coded_store_restores_fewer_bytes_and_reports_its_accuracy() {
+    for codec in [KvCodec::Bf16, KvCodec::Int8, KvCodec::Fp8E4m3] {
+        let report = run_tiny(codec);
+        assert_eq!(report.kv_offload_codec, codec.name());
+        let acc = report.accuracy.as_ref().expect("measured at concurrency 1");
+        assert_eq!((acc.requests, acc.tokens), (4, 12), "{acc:?}");
+        // The codec's error moves the log probabilities a little (0.0003
+        // bf16, 0.0005 int8, 0.004 fp8 on this model), never a lot. A
+        // random tiny model has near ties, so fp8 may flip a token.
+        assert!(acc.max_abs_delta_logprob_top5 < 0.05, "{codec}: {acc:?}");
+        for r in report.results.iter().filter(|r| r.mode == Mode::Kvtier) {
+            assert_eq!(r.failed, 0);
+            assert!(r.hit_tokens.g3 > 0, "{codec}: {:?}", r.hit_tokens);
+            // The logical rate is the stored one times the codec's ratio.
+            let ratio = r.restore_gbps_logical / r.restore_gbps;
+            let want = if codec == KvCodec::Bf16 { 2.0 } else { 3.2 };
+            assert!(ratio >= want, "{codec}: logical / stored = {ratio}");
+        }
+        assert!(
+            report
+                .table()
+                .contains(&format!("KV offload codec: {codec}"))
+        );
+    }
 }
