@@ -104,6 +104,45 @@ def test_vllm_cpu_pages_round_trip_with_torch(tmp_path: Path, dtype: torch.dtype
         assert torch.count_nonzero(fresh[l][10:]) == 0
 
 
+@pytest.mark.parametrize("codec", ["bf16", "fp8-e4m3", "int8"])
+def test_a_coded_store_keeps_fewer_bytes_and_gives_torch_pages_back_within_bound(
+    tmp_path: Path, codec: str
+) -> None:
+    layout = Layout.vllm_cpu(2, 2, 64, block_tokens=16, dtype="f32", codec=codec)
+    plain = Layout.vllm_cpu(2, 2, 64, block_tokens=16, dtype="f32")
+    assert layout.codec == codec and plain.codec == "none"
+    assert layout.payload_bytes == plain.payload_bytes
+    assert layout.stored_payload_bytes * (2 if codec == "bf16" else 3) < plain.payload_bytes
+    store = Store(str(tmp_path), g2_bytes=64 << 20, g3_bytes=64 << 20)
+    ns = store.namespace(layout, fingerprint=b"model-c")
+    torch.manual_seed(1)
+    # Rows of very different sizes: each (token, head) row has its own scale.
+    kv = [torch.randn(8, 2, 16, 128) * torch.logspace(-3, 3, 16).view(1, 1, 16, 1) for _ in range(2)]
+    keys = hashes(8)
+    assert all(r == "stored" for r in ns.save_pages(keys, kv, list(range(8))).wait())
+    ns.evict_memory()
+    back = [torch.zeros_like(t) for t in kv]
+    res = ns.load_pages(keys, back, list(range(8))).wait()
+    assert all(r.ok and r.tier == "g3" for r in res), res
+    for a, b in zip(kv, back):
+        # Per 64-value group (K's half and V's half of each row).
+        a64, b64 = a.reshape(-1, 64), b.reshape(-1, 64)
+        amax = a64.abs().amax(dim=1, keepdim=True)
+        bound = {
+            "bf16": a64.abs() / 256,
+            "fp8-e4m3": a64.abs() / 16 + amax / 448 / 1024,
+            "int8": amax / 254 + 0 * a64,
+        }[codec]
+        assert bool(((a64 - b64).abs() <= bound * 1.001).all()), codec
+    # The uncoded namespace of the same model shares no key with it.
+    other = store.namespace(plain, fingerprint=b"model-c")
+    assert other.lookup(keys) == 0
+    with pytest.raises(ValueError, match="unknown codec"):
+        Layout.vllm_cpu(2, 2, 64, codec="fp4")
+    with pytest.raises(ValueError, match="cannot store"):
+        Layout(2, 2, 64, 16, dtype="bf16", codec="bf16")
+
+
 def test_a_restarted_process_finds_the_blocks(tmp_path: Path) -> None:
     layout = Layout.vllm_cpu(2, 1, 64, block_tokens=16)
     src = pages(layout, 8, 7, "f32")

@@ -96,11 +96,12 @@ impl fmt::Display for KvDtype {
 #[repr(u8)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Arrangement {
-    /// `[K|V][layer][kv_head][token][head_dim]`: all K regions, then all V
-    /// (kvtier's own engine). Addressed as (layer, K|V).
+    /// `[K|V][layer][kv_head][token][head_dim]`: all K regions, then all V.
+    /// Addressed as (layer, K|V).
     KvMajor = 0,
     /// `[layer][K|V][kv_head][token][head_dim]`: each layer's K then its V,
-    /// so a layer is contiguous. Addressed as (layer, K|V) or (layer).
+    /// so a layer is contiguous (kvtier's own engine: a G1 page's order).
+    /// Addressed as (layer, K|V) or (layer).
     LayerMajor = 1,
     /// `[layer][...]`: each layer one region holding K and V in the
     /// engine's own order, not split by the store. vLLM's CPU backend page
@@ -201,7 +202,8 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// The kvtier engine's layout ([`Arrangement::KvMajor`], unsharded).
+    /// A [`Arrangement::KvMajor`] layout, unsharded and uncoded (the base
+    /// the other constructors and struct updates start from).
     pub const fn kv_major(
         layers: u32,
         kv_heads: u32,
