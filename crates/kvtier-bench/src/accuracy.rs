@@ -17,6 +17,12 @@
 //!   likely log probabilities, k = 1..5 (rank by rank, so two tokens of
 //!   near-equal probability swapping places count as the small change they
 //!   are).
+//! * **Margins**: the reference's gap between its two most likely tokens,
+//!   median over steps, and the smallest gap at a step where a request
+//!   diverged. A randomly initialised model (the embedded presets, the
+//!   models the tests make with `transformers`) spreads its probability
+//!   almost evenly, so its gaps are tiny and a codec's small delta can
+//!   flip a near-tie: these say how near.
 
 use serde::Serialize;
 
@@ -44,6 +50,12 @@ pub struct Accuracy {
     pub worst: String,
     /// Largest |delta| of a top-5 log probability before divergence.
     pub max_abs_delta_logprob_top5: f64,
+    /// The reference's top-1 minus top-2 log probability, median over
+    /// every step compared.
+    pub reference_margin_p50: f64,
+    /// That gap at the steps where a request diverged, the largest (0
+    /// when none did): a codec flips only tokens this close to a tie.
+    pub max_margin_at_divergence: f64,
 }
 
 /// Compares `restored` with `reference` session by session; `None` when no
@@ -56,6 +68,11 @@ pub fn compare(reference: &[RequestRecord], restored: &[RequestRecord]) -> Optio
     };
     let mut sum = 0.0;
     let mut worst = (usize::MAX, 0usize, 2.0f64);
+    let mut margins = Vec::new();
+    let margin = |lp: &Vec<f32>| match lp.as_slice() {
+        [a, b, ..] => Some(f64::from(a - b)),
+        _ => None,
+    };
     for r in reference.iter().filter(|r| r.error.is_none()) {
         let Some(s) = restored
             .iter()
@@ -74,6 +91,12 @@ pub fn compare(reference: &[RequestRecord], restored: &[RequestRecord]) -> Optio
             .count();
         let n = r.tokens.len();
         let agreement = same as f64 / n as f64;
+        margins.extend(r.top_logprobs.iter().filter_map(margin));
+        if same < n
+            && let Some(m) = r.top_logprobs.get(same).and_then(margin)
+        {
+            acc.max_margin_at_divergence = acc.max_margin_at_divergence.max(m);
+        }
         for (a, b) in r.top_logprobs.iter().zip(&s.top_logprobs).take(same + 1) {
             for (x, y) in a.iter().zip(b) {
                 acc.max_abs_delta_logprob_top5 =
@@ -93,6 +116,7 @@ pub fn compare(reference: &[RequestRecord], restored: &[RequestRecord]) -> Optio
         return None;
     }
     acc.greedy_agreement_mean = sum / acc.requests as f64;
+    acc.reference_margin_p50 = crate::stats::percentile(&margins, 50.0).unwrap_or(0.0);
     acc.worst = format!("{}/{}", worst.0, worst.1);
     Some(acc)
 }
@@ -141,6 +165,9 @@ mod tests {
         assert!((a.greedy_agreement_mean - 0.75).abs() < 1e-12);
         // Steps up to and including the divergent one; not the one after.
         assert!((a.max_abs_delta_logprob_top5 - 0.5).abs() < 1e-6, "{a:?}");
+        // Gaps 1.9 (session 0) and 0.5 (session 1), four steps each.
+        assert!((a.reference_margin_p50 - 1.2).abs() < 1e-6, "{a:?}");
+        assert!((a.max_margin_at_divergence - 1.9).abs() < 1e-6, "{a:?}");
     }
 
     #[test]

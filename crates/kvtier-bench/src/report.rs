@@ -201,14 +201,16 @@ impl BenchReport {
         s.push('\n');
         match &self.accuracy {
             Some(a) => s.push_str(&format!(
-                "restored vs recomputed (concurrency 1, {} requests, {} tokens): greedy agreement min {:.3} (worst {}), mean {:.3}, {} identical; max |delta logprob| top-5 {:.4}\n",
+                "restored vs recomputed (concurrency 1, {} requests, {} tokens): greedy agreement min {:.3} (worst {}), mean {:.3}, {} identical; max |delta logprob| top-5 {:.4}; the reference's top-2 gap p50 {:.4}, at a divergence at most {:.4}\n",
                 a.requests,
                 a.tokens,
                 a.greedy_agreement_min,
                 a.worst,
                 a.greedy_agreement_mean,
                 a.identical_requests,
-                a.max_abs_delta_logprob_top5
+                a.max_abs_delta_logprob_top5,
+                a.reference_margin_p50,
+                a.max_margin_at_divergence
             )),
             None => s.push_str("restored vs recomputed: not measured (needs concurrency 1 in process)\n"),
         }

@@ -6,7 +6,7 @@
 //! cargo run --release -p kvtier-store --example codec_speed
 //! ```
 //!
-//! The block is the `small` preset's (12 layers x 4 KV heads x 64 head
+//! The block is the 100 M reference Llama's (12 layers x 4 KV heads x 64 head
 //! dim x 256 tokens, f32: 6 MiB), filled with normal-ish values whose rows
 //! differ in size by up to 10^6.
 
