@@ -212,7 +212,7 @@ impl Layout {
     fn __repr__(&self) -> String {
         let l = &self.inner;
         format!(
-            "Layout(layers={}, kv_heads={}, head_dim={}, block_tokens={}, dtype={:?}, arrangement={:?}, tp_rank={}, tp_world={})",
+            "Layout(layers={}, kv_heads={}, head_dim={}, block_tokens={}, dtype={:?}, arrangement={:?}, tp_rank={}, tp_world={}, codec={:?})",
             l.layers,
             l.kv_heads,
             l.head_dim,
@@ -220,7 +220,8 @@ impl Layout {
             l.dtype.name(),
             l.arrangement.name(),
             self.tp_rank(),
-            self.tp_world()
+            self.tp_world(),
+            l.codec.name()
         )
     }
 }

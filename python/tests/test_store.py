@@ -112,7 +112,10 @@ def test_a_coded_store_keeps_fewer_bytes_and_gives_torch_pages_back_within_bound
     plain = Layout.vllm_cpu(2, 2, 64, block_tokens=16, dtype="f32")
     assert layout.codec == codec and plain.codec == "none"
     assert layout.payload_bytes == plain.payload_bytes
-    assert layout.stored_payload_bytes * (2 if codec == "bf16" else 3) < plain.payload_bytes
+    # bf16: 2 bytes a value; fp8 and int8: a 4-byte scale and 64 bytes a row of 64.
+    per_row = 128 if codec == "bf16" else 68
+    assert layout.stored_payload_bytes == plain.payload_bytes // 256 * per_row
+    assert f"codec={codec!r}".replace("'", '"') in repr(layout)
     store = Store(str(tmp_path), g2_bytes=64 << 20, g3_bytes=64 << 20)
     ns = store.namespace(layout, fingerprint=b"model-c")
     torch.manual_seed(1)
@@ -134,6 +137,17 @@ def test_a_coded_store_keeps_fewer_bytes_and_gives_torch_pages_back_within_bound
             "int8": amax / 254 + 0 * a64,
         }[codec]
         assert bool(((a64 - b64).abs() <= bound * 1.001).all()), codec
+        # And value for value what PyTorch's own bf16, float8_e4m3fn and
+        # round-half-even make of the format's rule (docs/block-format.md).
+        if codec == "bf16":
+            want = a64.to(torch.bfloat16).float()
+        else:
+            top = 448.0 if codec == "fp8-e4m3" else 127.0
+            scale = amax / top
+            y = (a64 * (1.0 / scale)).clamp(-top, top)
+            y = y.to(torch.float8_e4m3fn).float() if codec == "fp8-e4m3" else torch.round(y)
+            want = y * scale
+        assert torch.equal(b64, want), (codec, (b64 - want).abs().max())
     # The uncoded namespace of the same model shares no key with it.
     other = store.namespace(plain, fingerprint=b"model-c")
     assert other.lookup(keys) == 0
