@@ -5,7 +5,8 @@
 //! ```text
 //! cargo run --release -p kvtier-engine --example decode_beside_restore -- \
 //!     [--model DIR] [--tier g3|g4] [--remote redis://HOST:PORT] \
-//!     [--prefix-tokens 4096] [--restores 5] [--decoders 4] [--json]
+//!     [--prefix-tokens 4096] [--restores 5] [--decoders 4] \
+//!     [--kv-offload-codec none|bf16|fp8-e4m3|int8] [--json]
 //! ```
 //!
 //! 1. A first engine computes `--restores` distinct prompts of
@@ -47,6 +48,7 @@ struct Args {
     prefix_tokens: usize,
     restores: usize,
     decoders: usize,
+    codec: kvtier_store::KvCodec,
     json: bool,
 }
 
@@ -58,6 +60,7 @@ fn parse_args() -> Result<Args, String> {
         prefix_tokens: 4096,
         restores: 5,
         decoders: 4,
+        codec: kvtier_store::KvCodec::None,
         json: false,
     };
     let mut it = std::env::args().skip(1);
@@ -76,6 +79,12 @@ fn parse_args() -> Result<Args, String> {
             "--prefix-tokens" => a.prefix_tokens = value()?.parse().map_err(|e| format!("{e}"))?,
             "--restores" => a.restores = value()?.parse().map_err(|e| format!("{e}"))?,
             "--decoders" => a.decoders = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--kv-offload-codec" => {
+                let name = value()?;
+                a.codec = kvtier_store::KvCodec::from_name(&name).ok_or(format!(
+                    "--kv-offload-codec none|bf16|fp8-e4m3|int8, not {name}"
+                ))?;
+            }
             "--json" => a.json = true,
             other => return Err(format!("unknown flag {other}")),
         }
@@ -94,7 +103,7 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
 
 fn store(a: &Args, cache: &Path) -> StoreOptions {
     StoreOptions {
-        codec: kvtier_store::KvCodec::None,
+        codec: a.codec,
         memory_bytes: 1 << 30,
         disk_dirs: if a.g4 {
             vec![]
