@@ -34,6 +34,9 @@ pub struct PrefillOptions {
     pub block_tokens: usize,
     /// Tenant salt; must equal the decode node's (default: empty).
     pub tenant_salt: String,
+    /// How the KV is stored (`--kv-offload-codec`); must equal the decode
+    /// node's, whose keys it is part of (default: none).
+    pub kv_offload_codec: kvtier_store::KvCodec,
     /// G2 (host memory) of this node's store while it runs (default: 1 GiB).
     pub g2_bytes: u64,
     /// Where the model runs: `cpu`, or `cuda` / `cuda:N` (default: `cpu`).
@@ -52,6 +55,7 @@ impl PrefillOptions {
             chat: false,
             block_tokens: 256,
             tenant_salt: String::new(),
+            kv_offload_codec: kvtier_store::KvCodec::None,
             g2_bytes: 1 << 30,
             device: "cpu".into(),
             remote,
@@ -152,6 +156,7 @@ pub fn prefill(opts: &PrefillOptions) -> Result<PrefillReport, ServeError> {
     let store = StoreOptions {
         memory_bytes: opts.g2_bytes,
         remote: Some(opts.remote.clone()),
+        codec: opts.kv_offload_codec,
         ..Default::default()
     };
     let mut engine = Engine::load(dir, engine_opts, Some(store)).map_err(|e| {

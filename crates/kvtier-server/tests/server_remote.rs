@@ -113,6 +113,29 @@ fn prefill_on_one_node_leaves_the_kv_in_g4_for_the_decode_node() {
 }
 
 #[test]
+fn a_coded_prefill_serves_a_decode_node_with_the_same_codec_only() {
+    let redis = RedisServer::start().unwrap();
+    let url = redis.url();
+    let plain = Server::start(|o| o.remote = remote(&url));
+    let coded_cache = plain.root.join("cache-int8");
+    let coded = Server::start_in(&plain.root, |o| {
+        o.remote = remote(&url);
+        o.cache_dir = coded_cache.clone();
+        o.kv_offload_codec = kvtier_store::KvCodec::Int8;
+    });
+    let prompt = long_prompt(300);
+    let mut opts = PrefillOptions::new(plain.root.join("tiny"), &prompt, RemoteConfig::new(&url));
+    opts.block_tokens = 16;
+    opts.kv_offload_codec = kvtier_store::KvCodec::Int8;
+    let report = prefill(&opts).unwrap();
+    assert_eq!(report.g4_dropped_blocks, 0);
+    // Coded KV is keyed apart: the uncoded node finds none of it.
+    assert_eq!(cached(&complete(&plain, &prompt)), (0, 0));
+    let v = complete(&coded, &prompt);
+    assert_eq!(cached(&v), (299, 299), "all but the last token: {v}");
+}
+
+#[test]
 fn killing_redis_mid_load_costs_hits_never_requests_and_hits_resume_after_restart() {
     let mut redis = RedisServer::start().unwrap();
     let url = redis.url();

@@ -47,6 +47,12 @@ pub struct PrefillArgs {
     #[arg(long, value_name = "TEXT", default_value = "")]
     pub tenant_salt: String,
 
+    /// How the KV is stored in G4: none, bf16, fp8-e4m3 or int8; must
+    /// equal the decode node's `kvtier serve --kv-offload-codec` (it is part
+    /// of every block key).
+    #[arg(long, value_name = "CODEC", default_value = "none", value_parser = crate::cli::codec_arg)]
+    pub kv_offload_codec: kvtier_store::KvCodec,
+
     /// G2 (host memory) of this node's store while it runs.
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     pub g2_bytes: u64,
@@ -90,6 +96,7 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     opts.chat = args.chat;
     opts.block_tokens = args.block_tokens as usize;
     opts.tenant_salt = args.tenant_salt.clone();
+    opts.kv_offload_codec = args.kv_offload_codec;
     opts.g2_bytes = args.g2_bytes;
     opts.device = args.device.clone();
     let report = kvtier_server::prefill(&opts)?;
