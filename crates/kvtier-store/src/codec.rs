@@ -228,7 +228,7 @@ pub fn encode(
     stored: &mut [u8],
 ) -> Result<(), CodecError> {
     let (in_group, out_group) = group_sizes(codec, dtype, group)?;
-    let groups = whole_groups(logical.len(), in_group, stored.len(), out_group)?;
+    whole_groups(logical.len(), in_group, stored.len(), out_group)?;
     if codec == KvCodec::None {
         stored.copy_from_slice(logical);
         return Ok(());
@@ -238,7 +238,6 @@ pub fn encode(
     for (src, dst) in logical
         .chunks_exact(in_group)
         .zip(stored.chunks_exact_mut(out_group))
-        .take(groups)
     {
         if dtype == KvDtype::F32 {
             for (v, b) in vals.iter_mut().zip(src.chunks_exact(4)) {
@@ -304,7 +303,7 @@ pub fn decode(
     logical: &mut [u8],
 ) -> Result<(), CodecError> {
     let (out_group, in_group) = group_sizes(codec, dtype, group)?;
-    let groups = whole_groups(logical.len(), out_group, stored.len(), in_group)?;
+    whole_groups(logical.len(), out_group, stored.len(), in_group)?;
     if codec == KvCodec::None {
         logical.copy_from_slice(stored);
         return Ok(());
@@ -323,9 +322,11 @@ pub fn decode(
         return Ok(());
     }
     let mut tmp = vec![0f32; group];
-    for g in 0..groups {
-        decode_group_f32(codec, &stored[g * in_group..(g + 1) * in_group], &mut tmp);
-        let dst = &mut logical[g * out_group..(g + 1) * out_group];
+    for (src, dst) in stored
+        .chunks_exact(in_group)
+        .zip(logical.chunks_exact_mut(out_group))
+    {
+        decode_group_f32(codec, src, &mut tmp);
         for (i, &v) in tmp.iter().enumerate() {
             store(dtype, dst, i, v);
         }
@@ -376,14 +377,14 @@ fn group_sizes(codec: KvCodec, dtype: KvDtype, group: usize) -> Result<(usize, u
     }
 }
 
-/// Groups in `logical_len` bytes, checking that both lengths are the same
-/// whole number of groups.
+/// Checks that `logical_len` and `stored_len` bytes are the same whole
+/// number of groups.
 fn whole_groups(
     logical_len: usize,
     logical_group: usize,
     stored_len: usize,
     stored_group: usize,
-) -> Result<usize, CodecError> {
+) -> Result<(), CodecError> {
     let groups = logical_len / logical_group;
     if !logical_len.is_multiple_of(logical_group)
         || groups.checked_mul(stored_group) != Some(stored_len)
@@ -393,7 +394,7 @@ fn whole_groups(
              number of {logical_group}-byte groups"
         )));
     }
-    Ok(groups)
+    Ok(())
 }
 
 impl KvLayout {

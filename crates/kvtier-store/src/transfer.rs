@@ -456,6 +456,7 @@ impl TieredStore {
         shared: &Shared,
     ) -> Vec<BlockResult> {
         let held = self.holds_locally(keys);
+        let layout = self.layout();
         let mut results = Vec::with_capacity(keys.len());
         let mut sealed = Vec::new();
         for ((key, src), held) in keys.iter().zip(srcs).zip(held) {
@@ -464,7 +465,6 @@ impl TieredStore {
             } else if held {
                 BlockResult::Present
             } else {
-                let layout = self.layout();
                 let filled = self.new_block().and_then(|mut block| {
                     src.copy_to(&layout, block.payload_mut())
                         .map_err(|e| StoreError::Block(e.into()))?;
