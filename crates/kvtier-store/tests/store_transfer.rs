@@ -292,7 +292,12 @@ fn every_codec_round_trips_within_its_bound_through_g2_g3_and_a_restart() {
         );
         assert_eq!(got, vec![BlockResult::Hit(Tier::G3); 6], "{layout}");
         check(&dst, "after a restart");
-        // The same directory opened uncoded finds none of the coded blocks.
+        // The same directory opened uncoded finds none of the coded blocks:
+        // they live in a slot directory of their own.
+        assert_ne!(
+            kvtier_store::DiskTier::slot_dir(dir.path(), &layout),
+            kvtier_store::DiskTier::slot_dir(dir.path(), &plain)
+        );
         drop(store);
         let other = TieredStore::open(config(plain, dir.path(), 64)).unwrap();
         assert_eq!(other.lookup_prefix(&chain_keys(&plain, 6)).hits(), 0);

@@ -7,8 +7,8 @@
 //! array of fixed-size **slots** in large preallocated (sparse) **segment
 //! files**: `DIR/kvtier-g3/<layout>/seg-<n>.kvt`, where `<layout>` names
 //! layers, KV heads, head dim, block tokens and dtype (e.g.
-//! `l2-h2-d64-t16-f32`, plus the arrangement and shard when not KV-major
-//! and unsharded), so stores of different layouts never share slots. Slot `s` lives in
+//! `l2-h2-d64-t16-f32`, plus the codec, the arrangement and the shard
+//! when not uncoded, KV-major and unsharded), so stores of different layouts never share slots. Slot `s` lives in
 //! directory `s % dirs` (striping), at local index `s / dirs`, in segment
 //! `local / slots_per_segment` at offset `(local % slots_per_segment) *
 //! slot_bytes`. No log, no compaction: a put overwrites a whole slot with one
@@ -415,8 +415,8 @@ impl DiskTier {
     }
 
     /// The directory a store rooted at `root` uses for blocks of `layout`.
-    /// An arrangement other than KV-major and a shard add their names:
-    /// `l2-h2-d64-t128-f32-layer-fused-tp1of2`.
+    /// A codec, an arrangement other than KV-major and a shard add their
+    /// names: `l2-h2-d64-t128-f32-as-int8-layer-fused-tp1of2`.
     pub fn slot_dir(root: &Path, layout: &KvLayout) -> PathBuf {
         let mut name = format!(
             "l{}-h{}-d{}-t{}-{}",
@@ -426,6 +426,9 @@ impl DiskTier {
             layout.block_tokens,
             layout.dtype.name()
         );
+        if layout.codec != crate::KvCodec::None {
+            name = format!("{name}-as-{}", layout.codec.name());
+        }
         if layout.arrangement != Arrangement::KvMajor {
             name = format!("{name}-{}", layout.arrangement.name());
         }
