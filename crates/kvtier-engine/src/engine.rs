@@ -30,7 +30,7 @@ use crate::kv_pool::{KvPool, PageId};
 use crate::model::{Model, Segment};
 use crate::model_config::ModelConfig;
 use crate::prefix_cache::PrefixCache;
-use crate::prefix_restore::Begun;
+use crate::prefix_restore::{Begun, LayeredAttach};
 use crate::weights::Weights;
 
 /// How to build an [`Engine`].
@@ -48,6 +48,11 @@ pub struct EngineOptions {
     pub tenant_salt: Vec<u8>,
     /// Where tensors live.
     pub device: Device,
+    /// Restore a prefix layer by layer when the engine runs nothing else
+    /// ([`crate::layer_restore`]): the forward pass starts while later
+    /// layers are still being read. Off (or beside other sequences): the
+    /// whole prefix is read first and attached between steps.
+    pub layerwise_restore: bool,
 }
 
 impl Default for EngineOptions {
@@ -59,6 +64,7 @@ impl Default for EngineOptions {
             prefix_reuse: true,
             tenant_salt: Vec::new(),
             device: Device::Cpu,
+            layerwise_restore: true,
         }
     }
 }
@@ -147,6 +153,10 @@ pub(crate) struct Seq {
     pub(crate) chain: KeyChain,
     /// A prefill begun and not attached yet.
     pub(crate) prefill: Option<Begun>,
+    /// A layer-wise restore attached and not verified yet.
+    pub(crate) layered: Option<LayeredAttach>,
+    /// What its prefix restore took from the caches, once attached.
+    pub(crate) attached: Option<crate::prefix_restore::Attached>,
     /// The store holds the prompt's tail under its partial key already (it
     /// was restored from there): not offered again.
     pub(crate) tail_stored: bool,
@@ -301,6 +311,12 @@ impl Engine {
         self.opts.prefix_reuse = on;
     }
 
+    /// Turns layer-wise restores on or off
+    /// ([`EngineOptions::layerwise_restore`]).
+    pub fn set_layerwise_restore(&mut self, on: bool) {
+        self.opts.layerwise_restore = on;
+    }
+
     /// Keys of the full blocks of `tokens` under this engine's chain.
     pub fn block_keys(&self, tokens: &[u32]) -> Vec<BlockKey> {
         self.keychain.keys(tokens)
@@ -384,13 +400,17 @@ impl Engine {
     }
 
     fn prefill_begun(&mut self, id: SeqId) -> Result<Prefill, EngineError> {
-        let attached = self.attach(id)?;
+        let mut attached = self.attach(id)?;
         let logits = loop {
             let step = self.step(&[], &[id])?;
             if let Some(Some(logits)) = step.prefilled.into_iter().next() {
                 break logits;
             }
         };
+        // A layer-wise restore's report is final once verified.
+        if let Some(a) = self.attached(id) {
+            attached = a;
+        }
         Ok(Prefill {
             seq: id,
             logits,
@@ -615,7 +635,17 @@ impl Engine {
                 table: &seq.table,
             });
         }
-        let logits = match self.model.forward(&self.pool, &segs) {
+        // Layer-wise restores in flight: each layer waits for its pages.
+        let gates: Vec<_> = prefill
+            .iter()
+            .filter_map(|id| self.seqs.get(id)?.layered.as_ref().map(LayeredAttach::gate))
+            .collect();
+        let gate = |layer: usize| {
+            for (sink, blocks) in &gates {
+                sink.wait_layer(layer, *blocks);
+            }
+        };
+        let logits = match self.model.forward_gated(&self.pool, &segs, &gate) {
             Ok(l) => l,
             Err(e) => {
                 self.undo_decode(decode);
@@ -634,6 +664,11 @@ impl Engine {
             self.register_full_pages(id)?;
         }
         for (j, (&id, &(_, end))) in prefill.iter().zip(&chunks).enumerate() {
+            if !self.settle_layered(id) {
+                // Its restore failed a check: this chunk is recomputed.
+                out.prefilled.push(None);
+                continue;
+            }
             let done = self.seqs.get_mut(&id).is_some_and(|s| {
                 s.computed = end;
                 end == s.tokens.len()
@@ -666,11 +701,16 @@ impl Engine {
     /// the last full one's key (any later prompt starting with its tokens
     /// copies them).
     pub fn finish(&mut self, id: SeqId) {
+        // Nothing unverified stays in G1.
+        self.settle_layered(id);
         let Some(seq) = self.seqs.remove(&id) else {
             return;
         };
         if let Some(begun) = seq.prefill {
-            begun.cancel();
+            for page in begun.cancel() {
+                self.pool.release(page);
+                self.pool.free(page);
+            }
         }
         let bt = self.opts.block_tokens;
         let full = seq.computed / bt;

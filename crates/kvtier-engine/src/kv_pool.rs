@@ -140,7 +140,7 @@ impl KvPool {
     }
 
     fn row(&self, page: PageId, head: usize, offset: usize) -> usize {
-        (head * self.pages + page as usize) * self.block_tokens + offset
+        row_index(self.pages, self.block_tokens, page, head, offset)
     }
 
     /// Writes K and V of `t` tokens (each `(kv_heads, t, head_dim)`) for
@@ -296,36 +296,24 @@ impl KvPool {
         layout: &KvLayout,
         payload: &[u8],
     ) -> Result<(), EngineError> {
-        let run = self.check_payload(layout, payload.len())?;
-        let mut at = 0u64;
-        for layer in 0..self.k.len() {
-            for t in [&self.k[layer], &self.v[layer]] {
-                for h in 0..self.kv_heads {
-                    let row = self.row(page, h, 0);
-                    if self.device.is_cpu() {
-                        t.inplace_op1(&WritePage {
-                            offset: row * self.head_dim,
-                            elems: self.block_tokens * self.head_dim,
-                            layout,
-                            stored: payload,
-                            from: at,
-                        })?;
-                    } else {
-                        let mut bytes = vec![0u8; run as usize];
-                        layout.decode_into(payload, at, &mut bytes)?;
-                        let src = Tensor::from_raw_buffer(
-                            &bytes,
-                            DType::F32,
-                            &[self.block_tokens, self.head_dim],
-                            &self.device,
-                        )?;
-                        t.slice_set(&src, 0, row)?;
-                    }
-                    at += run;
-                }
-            }
+        self.check_payload(layout, payload.len())?;
+        self.page_writer()
+            .import_layers(page, layout, 0..layout.layers, payload)
+    }
+
+    /// The pool's memory without its page bookkeeping: what a store thread
+    /// needs to decode restored layers into pages while the engine computes
+    /// ([`crate::layer_restore`]).
+    pub(crate) fn page_writer(&self) -> PageWriter {
+        PageWriter {
+            k: self.k.clone(),
+            v: self.v.clone(),
+            pages: self.pages,
+            kv_heads: self.kv_heads,
+            block_tokens: self.block_tokens,
+            head_dim: self.head_dim,
+            device: self.device.clone(),
         }
-        Ok(())
     }
 
     /// Element offset of token row `offset` of `page` for KV head `head` in
@@ -439,6 +427,88 @@ impl KvPool {
             )));
         }
         Ok((self.block_tokens * self.head_dim * 4) as u64)
+    }
+}
+
+/// Row of token `offset` of `page` for KV head `head` in a layer's K (or
+/// V) tensor of a pool of `pages` pages (see the module docs).
+fn row_index(pages: usize, block_tokens: usize, page: PageId, head: usize, offset: usize) -> usize {
+    (head * pages + page as usize) * block_tokens + offset
+}
+
+/// A handle on the pool's K/V memory (the same tensors, shared), to fill
+/// restored pages from another thread: see [`KvPool::page_writer`].
+#[derive(Debug, Clone)]
+pub(crate) struct PageWriter {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    pages: usize,
+    kv_heads: usize,
+    block_tokens: usize,
+    head_dim: usize,
+    device: Device,
+}
+
+impl PageWriter {
+    /// Fills layers `layers` of `page` from `stored`, those layers' stored
+    /// bytes of a block of `layout` (one of the pool's store layouts; one
+    /// layer's bytes are a one-layer block's payload), each head of each
+    /// part decoded straight into the pool's memory on the CPU.
+    pub(crate) fn import_layers(
+        &self,
+        page: PageId,
+        layout: &KvLayout,
+        layers: std::ops::Range<u32>,
+        stored: &[u8],
+    ) -> Result<(), EngineError> {
+        let one = KvLayout {
+            layers: 1,
+            ..*layout
+        };
+        let per = one.stored_payload_bytes() as usize;
+        let count = layers.len();
+        if layers.end as usize > self.k.len()
+            || page as usize >= self.pages
+            || per == 0
+            || stored.len() != per * count
+        {
+            return Err(EngineError::Request(format!(
+                "{} stored bytes of layers {layers:?} do not fit page {page} of {} layers",
+                stored.len(),
+                self.k.len()
+            )));
+        }
+        let run = (self.block_tokens * self.head_dim * 4) as u64;
+        for (layer, bytes) in layers.zip(stored.chunks_exact(per)) {
+            let layer = layer as usize;
+            let mut at = 0u64;
+            for t in [&self.k[layer], &self.v[layer]] {
+                for h in 0..self.kv_heads {
+                    let row = row_index(self.pages, self.block_tokens, page, h, 0);
+                    if self.device.is_cpu() {
+                        t.inplace_op1(&WritePage {
+                            offset: row * self.head_dim,
+                            elems: self.block_tokens * self.head_dim,
+                            layout: &one,
+                            stored: bytes,
+                            from: at,
+                        })?;
+                    } else {
+                        let mut host = vec![0u8; run as usize];
+                        one.decode_into(bytes, at, &mut host)?;
+                        let src = Tensor::from_raw_buffer(
+                            &host,
+                            DType::F32,
+                            &[self.block_tokens, self.head_dim],
+                            &self.device,
+                        )?;
+                        t.slice_set(&src, 0, row)?;
+                    }
+                    at += run;
+                }
+            }
+        }
+        Ok(())
     }
 }
 

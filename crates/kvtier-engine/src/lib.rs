@@ -9,7 +9,8 @@
 //! * [`kv_pool`], [`prefix_cache`]: G1 pages and their prefix index.
 //! * [`engine`]: sequences, the batched step (decode and prefill chunks),
 //!   offload to the store; [`prefix_restore`]: restoring prefixes from the
-//!   store without waiting on it.
+//!   store without waiting on it; [`layer_restore`]: layer by layer, the
+//!   forward pass waiting only for the layer it is at.
 //! * [`tokenizer`], [`chat_template`], [`sampling`], [`preset`]: text as
 //!   `transformers` tokenizes and templates it, token choice, and the
 //!   embedded default models.
@@ -21,6 +22,7 @@ pub mod engine;
 pub mod engine_error;
 pub mod gemv;
 pub mod kv_pool;
+pub mod layer_restore;
 pub mod model;
 pub mod model_config;
 pub mod model_files;

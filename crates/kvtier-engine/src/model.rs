@@ -65,6 +65,10 @@ pub struct Model {
 
 /// `x Wᵀ + b`: by the decode kernel for a few rows ([`crate::gemv`]), by
 /// candle's gemm otherwise.
+/// Called with each layer's index before that layer touches the KV pool
+/// ([`Model::forward_gated`]).
+pub(crate) type LayerGate<'a> = &'a (dyn Fn(usize) + Sync);
+
 fn project(lin: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
     match crate::gemv::linear(x, lin.weight(), lin.bias())? {
         Some(y) => Ok(y),
@@ -200,10 +204,22 @@ impl Model {
     /// thread, which works beside candle's barrier pool
     /// ([`crate::parallel`]).
     pub fn forward(&self, pool: &KvPool, segs: &[Segment<'_>]) -> Result<Tensor, EngineError> {
+        self.forward_gated(pool, segs, &|_| {})
+    }
+
+    /// [`forward`](Self::forward), calling `gate(l)` before layer `l`
+    /// touches the pool: a layer-wise restore waits there for that layer
+    /// of the prefix ([`crate::layer_restore`]).
+    pub(crate) fn forward_gated(
+        &self,
+        pool: &KvPool,
+        segs: &[Segment<'_>],
+        gate: LayerGate<'_>,
+    ) -> Result<Tensor, EngineError> {
         self.check_segments(segs)?;
-        match self.forward_decode(pool, segs)? {
+        match self.forward_decode(pool, segs, gate)? {
             Some(logits) => Ok(logits),
-            None => rayon::scope(|_| self.forward_general(pool, segs)),
+            None => rayon::scope(|_| self.forward_general(pool, segs, gate)),
         }
     }
 
@@ -240,6 +256,7 @@ impl Model {
         &self,
         pool: &KvPool,
         segs: &[Segment<'_>],
+        gate: LayerGate<'_>,
     ) -> Result<Tensor, EngineError> {
         let cfg = &self.cfg;
         let heads = cfg.num_attention_heads;
@@ -268,6 +285,7 @@ impl Model {
         let kv_out = kvh * hd;
         let inter = cfg.intermediate_size;
         for (li, layer) in self.layers.iter().enumerate() {
+            gate(li);
             let hn = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
             let qkv = project(&layer.qkv, &hn)?;
             let mut outs = Vec::with_capacity(segs.len());

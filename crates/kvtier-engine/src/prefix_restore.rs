@@ -25,6 +25,8 @@ use kvtier_store::{BlockKey, Handle, StoredBlock, Tier};
 
 use crate::engine::{CachedTokens, Engine, Seq, SeqId};
 use crate::engine_error::EngineError;
+use crate::kv_pool::PageId;
+use crate::layer_restore::RestoreSink;
 
 /// What [`Engine::begin`] started for a sequence.
 #[derive(Debug)]
@@ -51,14 +53,50 @@ pub(crate) struct Begun {
     read_seconds: f64,
     /// What was copied into G1 so far.
     attached: Attached,
+    /// A layer-wise read's destination, with the pages it fills, one per
+    /// key ([`crate::layer_restore`]).
+    layered: Option<Arc<RestoreSink>>,
 }
 
 impl Begun {
-    /// Gives up: a store read in flight is cancelled.
-    pub(crate) fn cancel(self) {
+    /// Gives up: a store read in flight is cancelled. A layer-wise read's
+    /// pages are handed back (to release), once the read no longer writes
+    /// them.
+    pub(crate) fn cancel(self) -> Vec<PageId> {
         if let Some(read) = self.read {
             read.cancel();
+            if self.layered.is_some() {
+                let _ = read.wait();
+            }
         }
+        self.layered.map(|s| s.pages().to_vec()).unwrap_or_default()
+    }
+}
+
+/// A layer-wise restore attached to a sequence and not verified yet: its
+/// pages are in the sequence's table (from `first` on) but not in G1's
+/// index, and nothing computed from them is served before
+/// [`Engine::settle_layered`] has checked the read's result.
+#[derive(Debug)]
+pub(crate) struct LayeredAttach {
+    sink: Arc<RestoreSink>,
+    read: Option<Handle<Vec<StoredBlock>>>,
+    /// Table index of the first restored page.
+    first: usize,
+    /// The keys restored, in order (the last may be the tail's).
+    keys: Vec<BlockKey>,
+    /// The tier of each.
+    tiers: Vec<Tier>,
+    /// The tail's partial key and length, when `keys` ends with it.
+    tail: Option<(BlockKey, usize)>,
+    /// When `begin` started the read.
+    started: Instant,
+}
+
+impl LayeredAttach {
+    /// What the forward pass waits on: the sink and how many blocks.
+    pub(crate) fn gate(&self) -> (Arc<RestoreSink>, usize) {
+        (self.sink.clone(), self.keys.len())
     }
 }
 
@@ -73,6 +111,9 @@ pub struct Attached {
     pub restore_seconds: f64,
     /// Prompt tokens left to compute.
     pub to_compute: usize,
+    /// The store's blocks were restored layer by layer, the forward pass
+    /// starting before the read was done ([`crate::layer_restore`]).
+    pub layer_wise: bool,
 }
 
 impl Engine {
@@ -125,6 +166,7 @@ impl Engine {
             blocks: None,
             read_seconds: 0.0,
             attached: Attached::default(),
+            layered: None,
         };
         let read_done = begun.read_done.clone();
         let mut notify: Option<Box<dyn FnOnce() + Send>> = Some(Box::new(move || {
@@ -141,6 +183,8 @@ impl Engine {
                 keys: Vec::new(),
                 chain,
                 prefill: None,
+                layered: None,
+                attached: None,
                 tail_stored: false,
             },
         );
@@ -201,7 +245,7 @@ impl Engine {
         // lacks of the tail once its read is done.
         let tail_len = tail_key.map_or(0, |(_, n)| n);
         let g1_covers = rest.is_empty() && self.g1_tail_len(id, reusable) == tail_len;
-        if let Some(store) = &self.store
+        if self.store.is_some()
             && !g1_covers
             && (!rest.is_empty() || tail_key.is_some())
             && let Some(notify) = notify.take()
@@ -209,7 +253,21 @@ impl Engine {
             if let Some((k, _)) = tail_key {
                 rest.push(k);
             }
-            begun.read = Some(store.read_prefix_async(rest.clone(), notify));
+            let sink = self.layer_sink(id, rest.len());
+            let Some(store) = &self.store else {
+                return Ok(());
+            };
+            begun.read = Some(match &sink {
+                Some(sink) => {
+                    let done = sink.clone();
+                    store.read_prefix_layered(rest.clone(), sink.clone(), move || {
+                        done.finish();
+                        notify();
+                    })
+                }
+                None => store.read_prefix_async(rest.clone(), notify),
+            });
+            begun.layered = sink;
             begun.first_read = h;
             begun.tail = tail_key;
             begun.keys = rest;
@@ -287,6 +345,191 @@ impl Engine {
             .is_none_or(Handle::is_done)
     }
 
+    /// True once [`attach`](Self::attach) can take `id` without waiting
+    /// for all of its store read: a layer-wise restore ([`crate::layer_restore`])
+    /// whose store knows which blocks it will hand over. Its forward pass
+    /// then waits for each layer as it goes.
+    pub fn restore_started(&self, id: SeqId) -> bool {
+        self.seqs
+            .get(&id)
+            .and_then(|s| s.prefill.as_ref())
+            .and_then(|b| b.layered.as_ref())
+            .is_some_and(|sink| sink.planned().is_some())
+    }
+
+    /// What `id`'s prefix restore took from the caches, once attached;
+    /// final once its first token's logits are out (a layer-wise restore
+    /// is verified then, and a block that failed is counted out).
+    pub fn attached(&self, id: SeqId) -> Option<Attached> {
+        self.seqs.get(&id).and_then(|s| s.attached)
+    }
+
+    /// Pages for a layer-wise read of `n` blocks after `id`'s table, when
+    /// it is the engine's only sequence (a forward pass that waits on the
+    /// store must not hold up anyone's decode) and the pool has them;
+    /// `None` reads the whole prefix first instead.
+    fn layer_sink(&mut self, id: SeqId, n: usize) -> Option<Arc<RestoreSink>> {
+        if !self.opts.layerwise_restore || self.seqs.len() != 1 || n == 0 {
+            return None;
+        }
+        let mut last = self.seqs.get(&id)?.table.last().copied();
+        let mut pages = Vec::with_capacity(n);
+        for _ in 0..n {
+            match self.alloc_page(last) {
+                Ok(p) => {
+                    pages.push(p);
+                    last = Some(p);
+                }
+                Err(_) => {
+                    for p in pages {
+                        self.pool.release(p);
+                        self.pool.free(p);
+                    }
+                    return None;
+                }
+            }
+        }
+        let writer = self.pool.page_writer();
+        Some(Arc::new(RestoreSink::new(writer, self.kv_layout, pages)))
+    }
+
+    /// [`attach`](Self::attach) for a layer-wise restore: waits only for
+    /// the store to say which blocks it hands over, puts their pages in the
+    /// table (unverified: see [`LayeredAttach`]) and hands the rest back.
+    fn attach_layered(&mut self, id: SeqId) -> Result<Attached, EngineError> {
+        let bt = self.opts.block_tokens;
+        let stored = self.kv_layout.stored_payload_bytes();
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Err(EngineError::Request(format!("unknown sequence {id}")));
+        };
+        let Some(mut begun) = seq.prefill.take() else {
+            return Err(EngineError::Request(format!(
+                "sequence {id} has no prefill begun"
+            )));
+        };
+        let Some(sink) = begun.layered.take() else {
+            return Err(EngineError::Request(format!(
+                "sequence {id} has no layer-wise read"
+            )));
+        };
+        let mut tiers = sink.wait_planned();
+        tiers.truncate(begun.keys.len());
+        let n = tiers.len();
+        let first = seq.table.len();
+        let mut attached = Attached {
+            cached: begun.cached,
+            layer_wise: true,
+            ..Attached::default()
+        };
+        for (i, tier) in tiers.iter().enumerate() {
+            let key = begun.keys[i];
+            let tail = begun.tail.filter(|(k, _)| *k == key).map(|(_, n)| n);
+            let tokens = tail.unwrap_or(bt);
+            seq.table.push(sink.pages()[i]);
+            if tail.is_none() {
+                seq.keys.push(key);
+            } else {
+                seq.tail_stored = true;
+            }
+            seq.computed += tokens;
+            count_restored(&mut attached, *tier, tokens, stored);
+        }
+        begun.keys.truncate(n);
+        seq.layered = Some(LayeredAttach {
+            sink: sink.clone(),
+            read: begun.read.take(),
+            first,
+            keys: std::mem::take(&mut begun.keys),
+            tiers,
+            tail: begun.tail,
+            started: begun.started,
+        });
+        for &page in &sink.pages()[n..] {
+            self.pool.release(page);
+            self.pool.free(page);
+        }
+        // Whatever the store lacked of the tail, a G1 page may hold.
+        let reusable = self.seqs.get(&id).map_or(0, |s| s.tokens.len() - 1);
+        attached.cached.g1 += self.attach_g1_tail(id, reusable)?;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Err(EngineError::Request(format!("unknown sequence {id}")));
+        };
+        attached.to_compute = seq.tokens.len() - seq.computed;
+        attached.restore_seconds = begun.started.elapsed().as_secs_f64();
+        seq.attached = Some(attached);
+        Ok(attached)
+    }
+
+    /// Checks a layer-wise restore of `id` once its forward pass has used
+    /// it: waits for the store's read, and puts the verified pages in G1's
+    /// index. False when a block failed (its read, its check, or its
+    /// decode): the prefix is cut before it, everything after (this step's
+    /// work included) is dropped, and the rest of the prompt is recomputed.
+    /// True when all held, or there was nothing to check.
+    pub(crate) fn settle_layered(&mut self, id: SeqId) -> bool {
+        let bt = self.opts.block_tokens;
+        let stored = self.kv_layout.stored_payload_bytes();
+        let Some(l) = self.seqs.get_mut(&id).and_then(|s| s.layered.take()) else {
+            return true;
+        };
+        let blocks = l.read.and_then(Handle::wait).unwrap_or_default();
+        let n = l.keys.len();
+        let verified = blocks
+            .iter()
+            .zip(&l.keys)
+            .take_while(|(b, k)| b.key == **k)
+            .count();
+        let good = verified.min(l.sink.first_failed(n).unwrap_or(n));
+        let done = l.sink.done_at().unwrap_or_else(Instant::now);
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return true;
+        };
+        if let Some(a) = seq.attached.as_mut() {
+            a.restore_seconds = done.duration_since(l.started).as_secs_f64();
+        }
+        if good == n {
+            for i in 0..n {
+                let at = l.first + i;
+                if l.tail.is_some_and(|(k, _)| k == l.keys[i]) {
+                    continue;
+                }
+                let parent = match at.checked_sub(1) {
+                    Some(p) => seq.keys[p],
+                    None => seq.chain.seed(),
+                };
+                let page = seq.table[at];
+                self.g1
+                    .insert(l.keys[i], page, parent, &seq.tokens[at * bt..(at + 1) * bt]);
+            }
+            return true;
+        }
+        tracing::warn!(
+            "sequence {id}: {} of {n} restored blocks failed a check; recomputing from there",
+            n - good
+        );
+        let keep = l.first + good;
+        let dropped = seq.table.split_off(keep.min(seq.table.len()));
+        seq.keys.truncate(keep);
+        seq.computed = keep * bt;
+        seq.tail_stored = false;
+        if let Some(a) = seq.attached.as_mut() {
+            let g1 = a.cached.g1.min(l.first * bt);
+            a.cached = CachedTokens {
+                g1,
+                ..CachedTokens::default()
+            };
+            a.restored_bytes = 0;
+            for &tier in &l.tiers[..good] {
+                count_restored(a, tier, bt, stored);
+            }
+            a.to_compute = seq.tokens.len() - seq.computed;
+        }
+        for page in dropped {
+            self.release_page(page);
+        }
+        false
+    }
+
     /// Takes the blocks the store read for a sequence [`begin`](Self::begin)
     /// started (waiting for the read if it is still running) into fresh G1
     /// pages, one copy each. What is left of the prompt is computed by
@@ -316,6 +559,9 @@ impl Engine {
                 "sequence {id} has no prefill begun"
             )));
         };
+        if begun.layered.is_some() {
+            return self.attach_layered(id).map(Some);
+        }
         if begun.blocks.is_none() {
             begun.attached.cached = begun.cached;
             let blocks = match begun.read.take() {
@@ -375,6 +621,7 @@ impl Engine {
         attached.restore_seconds += begun.read_seconds;
         attached.to_compute = to_compute;
         seq.prefill = None;
+        seq.attached = Some(attached);
         Ok(Some(attached))
     }
 
@@ -431,14 +678,24 @@ impl Engine {
         seq.table.push(page);
         seq.computed += tokens;
         if let Some(begun) = seq.prefill.as_mut() {
-            let a = &mut begun.attached;
-            a.restored_bytes += block.payload().len() as u64;
-            match block.tier {
-                Tier::G2 => a.cached.g2 += tokens,
-                Tier::G3 => a.cached.g3 += tokens,
-                Tier::G4 => a.cached.g4 += tokens,
-            }
+            count_restored(
+                &mut begun.attached,
+                block.tier,
+                tokens,
+                block.payload().len() as u64,
+            );
         }
         true
+    }
+}
+
+/// Counts one restored block of `tokens` tokens and `bytes` stored bytes,
+/// read from `tier`.
+fn count_restored(a: &mut Attached, tier: Tier, tokens: usize, bytes: u64) {
+    a.restored_bytes += bytes;
+    match tier {
+        Tier::G2 => a.cached.g2 += tokens,
+        Tier::G3 => a.cached.g3 += tokens,
+        Tier::G4 => a.cached.g4 += tokens,
     }
 }

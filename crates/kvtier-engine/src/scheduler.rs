@@ -400,7 +400,7 @@ fn run(
             }
         } else if q.active.is_empty()
             && q.queue.is_empty()
-            && !q.restoring.iter().any(|r| engine.restore_done(r.seq))
+            && !q.restoring.iter().any(|r| ready(&engine, r.seq))
         {
             // Only restores in flight: sleep until one wakes us (or a
             // request comes).
@@ -435,7 +435,7 @@ fn run(
         let mut budget = ATTACH_BYTES_PER_STEP;
         let mut i = 0;
         while i < q.restoring.len() && budget > 0 {
-            if !engine.restore_done(q.restoring[i].seq) {
+            if !ready(&engine, q.restoring[i].seq) {
                 i += 1;
                 continue;
             }
@@ -458,6 +458,13 @@ fn run(
     }
     offload(&mut engine);
     engine
+}
+
+/// A restoring sequence can be attached: its read is done, or it is a
+/// layer-wise restore whose forward pass can start (`Engine::begin` reads
+/// layer by layer only when the engine runs nothing else).
+fn ready(engine: &Engine, seq: SeqId) -> bool {
+    engine.restore_done(seq) || engine.restore_started(seq)
 }
 
 /// New full blocks go to the store after the round's tokens were sent (and
@@ -512,7 +519,8 @@ fn prefilling(r: Restoring, attached: Attached) -> Active {
 
 /// A sequence's whole prompt is computed: sends `Started`, samples the
 /// first token and emits it. Returns true when the request is done.
-fn started(a: &mut Active, logits: &[f32]) -> bool {
+/// `report` is the engine's final word on its restore, when it has one.
+fn started(a: &mut Active, report: Option<Attached>, logits: &[f32]) -> bool {
     let Phase::Prefilling {
         prompt_tokens,
         arrived,
@@ -521,6 +529,7 @@ fn started(a: &mut Active, logits: &[f32]) -> bool {
     else {
         return false;
     };
+    let attached = report.unwrap_or(attached);
     let next = a.sampler.sample(logits);
     a.phase = Phase::Decoding { next: next.token };
     let event = GenerateEvent::Started {
@@ -594,9 +603,9 @@ fn step(engine: &mut Engine, active: &mut Vec<Active>) {
                     done.push(i);
                 }
             }
-            for (&(i, _), logits) in prefill.iter().zip(&out.prefilled) {
+            for (&(i, id), logits) in prefill.iter().zip(&out.prefilled) {
                 if let Some(logits) = logits
-                    && started(&mut active[i], logits)
+                    && started(&mut active[i], engine.attached(id), logits)
                 {
                     done.push(i);
                 }
@@ -641,7 +650,10 @@ fn retry_alone(engine: &mut Engine, a: &mut Active, batch_error: &str) -> bool {
             a.phase = Phase::Decoding { next: next.token };
             emit(a, next)
         }
-        (Ok(Some(logits)), Phase::Prefilling { .. }) => started(a, &logits),
+        (Ok(Some(logits)), Phase::Prefilling { .. }) => {
+            let report = engine.attached(a.seq);
+            started(a, report, &logits)
+        }
         (Ok(None), _) => false,
         (Err(e), phase) => {
             let event = if matches!(phase, Phase::Decoding { .. })

@@ -318,6 +318,47 @@ mod tests {
     }
 
     #[test]
+    fn raw_reads_fill_disjoint_parts_of_one_buffer_each_usable_when_done() {
+        let dir = tempfile::tempdir().unwrap();
+        let direct = probe_direct(dir.path()).direct;
+        for engine in engines() {
+            let path = dir.path().join(format!("r-{}", engine.backend().name()));
+            let file = open_direct(&path, true, direct).unwrap();
+            let part = 16 * 1024;
+            let parts = 12;
+            let whole = pattern(5, part * parts);
+            let ops = vec![IoOp::write(&file, 0, whole)];
+            assert_eq!(
+                engine.run_batch(ops, 1)[0].result.as_ref().unwrap(),
+                &(part * parts)
+            );
+            let mut dst = AlignedBuf::zeroed(part * parts, DIRECT_IO_ALIGN).unwrap();
+            let base = std::ptr::NonNull::new(dst.as_mut_ptr()).unwrap();
+            // Parts in a scrambled order; each read fills only its own part.
+            let order: Vec<usize> = (0..parts).map(|i| (i * 5) % parts).collect();
+            let ops = order
+                .iter()
+                .map(|&p| {
+                    // SAFETY: the parts are disjoint, inside `dst`, which
+                    // outlives the batch and is not touched until it returns.
+                    unsafe { IoOp::read_raw(&file, (p * part) as u64, base.add(p * part), part) }
+                })
+                .collect();
+            let expect = pattern(5, part * parts);
+            let out = engine.run_batch_map(ops, 4, |i, d| {
+                let p = order[i];
+                d.buf[..] == expect[p * part..(p + 1) * part]
+            });
+            for (done, seen) in out {
+                assert_eq!(done.result.unwrap(), part);
+                assert!(seen, "the callback sees its part's bytes");
+                assert!(done.buf.into_owned().is_none());
+            }
+            assert_eq!(&dst[..], &expect[..], "{}", engine.describe());
+        }
+    }
+
+    #[test]
     fn stream_refills_from_returned_buffers_and_writes_every_op() {
         let dir = tempfile::tempdir().unwrap();
         let direct = probe_direct(dir.path()).direct;

@@ -23,9 +23,11 @@ pub enum IoKind {
 }
 
 /// The buffer of one op: owned (reads and writes), shared read-only (writes
-/// of a block that readers may hold at the same time, with no copy), or
+/// of a block that readers may hold at the same time, with no copy),
 /// borrowed read-only from the caller (writes straight from the caller's
-/// memory, with no copy).
+/// memory, with no copy), or a part of the caller's memory to read into
+/// ([`IoOp::read_raw`]: several reads filling one buffer, each part usable
+/// as soon as its own read is done).
 #[derive(Debug)]
 pub enum IoBuf<'b> {
     /// Exclusively owned; required for reads.
@@ -37,14 +39,33 @@ pub enum IoBuf<'b> {
     /// `O_DIRECT` its address must be aligned as the file system asks
     /// ([`DIRECT_IO_ALIGN`](crate::DIRECT_IO_ALIGN) always is).
     Borrowed(&'b [u8]),
+    /// Caller's memory that a read fills ([`IoOp::read_raw`]).
+    Raw(RawTarget),
 }
+
+/// Memory a read fills in place: where and how long. Built only by
+/// [`IoOp::read_raw`], whose caller vouches for the memory.
+#[derive(Debug)]
+pub struct RawTarget {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a `RawTarget` is only a place that one op writes; whoever built
+// it with `IoOp::read_raw` guarantees the memory stays valid and untouched
+// by anyone else until that op completes, so moving it to the thread that
+// runs the op is sound.
+unsafe impl Send for RawTarget {}
+// SAFETY: shared access only reads through it after the op completed (see
+// `Send`).
+unsafe impl Sync for RawTarget {}
 
 impl IoBuf<'_> {
     /// The owned buffer, if this is one.
     pub fn into_owned(self) -> Option<AlignedBuf> {
         match self {
             IoBuf::Owned(b) => Some(b),
-            IoBuf::Shared(_) | IoBuf::Borrowed(_) => None,
+            IoBuf::Shared(_) | IoBuf::Borrowed(_) | IoBuf::Raw(_) => None,
         }
     }
 
@@ -52,9 +73,13 @@ impl IoBuf<'_> {
         self.deref().as_ptr()
     }
 
-    pub(crate) fn owned_mut(&mut self) -> Option<&mut AlignedBuf> {
+    /// The memory a read may fill: an owned buffer or a raw target.
+    pub(crate) fn read_target(&mut self) -> Option<&mut [u8]> {
         match self {
             IoBuf::Owned(b) => Some(b),
+            // SAFETY: `IoOp::read_raw`'s caller guarantees the memory is
+            // valid and used by nobody else until the op completes.
+            IoBuf::Raw(r) => Some(unsafe { std::slice::from_raw_parts_mut(r.ptr.as_ptr(), r.len) }),
             IoBuf::Shared(_) | IoBuf::Borrowed(_) => None,
         }
     }
@@ -67,6 +92,8 @@ impl Deref for IoBuf<'_> {
             IoBuf::Owned(b) => b,
             IoBuf::Shared(b) => b,
             IoBuf::Borrowed(b) => b,
+            // SAFETY: see `read_target`; a done op's memory is only read.
+            IoBuf::Raw(r) => unsafe { std::slice::from_raw_parts(r.ptr.as_ptr(), r.len) },
         }
     }
 }
@@ -81,7 +108,7 @@ pub struct IoOp<'f> {
     pub file: &'f File,
     /// Byte offset in the file.
     pub offset: u64,
-    /// The buffer; returned in [`IoDone`]. Reads need [`IoBuf::Owned`].
+    /// The buffer; returned in [`IoDone`]. Reads need [`IoBuf::Owned`] or [`IoBuf::Raw`].
     pub buf: IoBuf<'f>,
 }
 
@@ -103,6 +130,34 @@ impl<'f> IoOp<'f> {
             file,
             offset,
             buf: IoBuf::Owned(buf),
+        }
+    }
+
+    /// A read of `len` bytes at `offset` into caller memory at `ptr`, in
+    /// place: several such reads can fill the disjoint parts of one buffer,
+    /// and each part can be used as soon as its own read is done (from the
+    /// completion callback of [`IoEngine::run_batch_map`](crate::IoEngine::run_batch_map)) while the
+    /// others are still in flight. [`IoDone::result`] says how many bytes
+    /// landed.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must stay valid for writes, and nothing else may
+    /// read or write it, from this call until the op has completed (its
+    /// [`IoDone`] is handed to the batch's callback or returned). With
+    /// `O_DIRECT`, `ptr`, `len` and `offset` must be aligned as the file
+    /// system asks.
+    pub unsafe fn read_raw(
+        file: &'f File,
+        offset: u64,
+        ptr: std::ptr::NonNull<u8>,
+        len: usize,
+    ) -> Self {
+        Self {
+            kind: IoKind::Read,
+            file,
+            offset,
+            buf: IoBuf::Raw(RawTarget { ptr, len }),
         }
     }
 
@@ -139,9 +194,9 @@ pub(crate) fn finish(
 ) -> IoDone<'_> {
     let result = match err {
         Some(e) => Err(e),
-        None if kind == IoKind::Read && buf.owned_mut().is_none() => Err(io::Error::new(
+        None if kind == IoKind::Read && buf.read_target().is_none() => Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            "a read needs an owned buffer",
+            "a read needs an owned buffer or a raw target",
         )),
         None if kind == IoKind::Write && done < buf.len() => Err(io::Error::new(
             io::ErrorKind::WriteZero,
@@ -149,7 +204,7 @@ pub(crate) fn finish(
         )),
         None => Ok(done),
     };
-    if let (IoKind::Read, Some(b)) = (kind, buf.owned_mut()) {
+    if let (IoKind::Read, IoBuf::Owned(b)) = (kind, &mut buf) {
         b.set_len(done);
     }
     IoDone { buf, result }

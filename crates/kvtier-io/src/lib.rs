@@ -28,4 +28,4 @@ mod uring;
 pub use buffer::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, align_up, system_allocator};
 pub use direct::{DirectProbe, open_direct, probe_direct};
 pub use io_engine::{Backend, EngineConfig, IoEngine};
-pub use io_op::{IoBuf, IoDone, IoKind, IoOp, MAX_IN_FLIGHT};
+pub use io_op::{IoBuf, IoDone, IoKind, IoOp, MAX_IN_FLIGHT, RawTarget};

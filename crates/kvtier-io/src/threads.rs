@@ -98,7 +98,7 @@ fn run_one(op: IoOp<'_>) -> IoDone<'_> {
     let mut err = None;
     while done < want {
         let at = offset + done as u64;
-        let r = match (kind, buf.owned_mut()) {
+        let r = match (kind, buf.read_target()) {
             (IoKind::Read, Some(b)) => file.read_at(&mut b[done..], at),
             (IoKind::Read, None) => break, // reported by `finish`
             (IoKind::Write, _) => file.write_at(&buf[done..], at),

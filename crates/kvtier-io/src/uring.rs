@@ -187,7 +187,7 @@ fn drive<'f>(
                 // outlives every in-flight op (an op leaves `slots` only
                 // after its completion), and `done + len <= buf.len()`.
                 IoKind::Read => {
-                    let Some(b) = op.buf.owned_mut() else {
+                    let Some(b) = op.buf.read_target() else {
                         // A shared buffer cannot be read into; `finish` reports it.
                         ready.push(s);
                         continue;

@@ -428,6 +428,17 @@ pub fn decode_block<'a>(
     bytes: &'a [u8],
     expect_key: Option<&BlockKey>,
 ) -> Result<(BlockHeader, &'a [u8]), BlockError> {
+    decode_block_summed(bytes, expect_key, None)
+}
+
+/// [`decode_block`], with the payload's CRC32C already computed by the
+/// caller (`payload_crc`, e.g. summed part by part as a read landed) in
+/// place of a pass over the payload here; `None` computes it.
+pub fn decode_block_summed<'a>(
+    bytes: &'a [u8],
+    expect_key: Option<&BlockKey>,
+    payload_crc: Option<u32>,
+) -> Result<(BlockHeader, &'a [u8]), BlockError> {
     let header = BlockHeader::decode(bytes)?;
     // payload_len <= MAX_PAYLOAD_BYTES (1 GiB) after decode, so this fits.
     let payload_len = usize::try_from(header.payload_len).map_err(|_| BlockError::TooShort {
@@ -449,7 +460,7 @@ pub fn decode_block<'a>(
             found: header.key,
         });
     }
-    if crc32c::crc32c(payload) != header.payload_crc32c {
+    if payload_crc.unwrap_or_else(|| crc32c::crc32c(payload)) != header.payload_crc32c {
         return Err(BlockError::PayloadChecksum);
     }
     Ok((header, payload))

@@ -37,8 +37,8 @@ pub use kv_layout::{Arrangement, KvDtype, KvLayout, LayoutError, Part, TpShard};
 pub use metrics::{MetricsFormat, RemoteMetrics, StoreMetrics, Tier};
 pub use remote::{RemoteConfig, RemoteError, RemoteTier};
 pub use store::{
-    DEFAULT_G3_SYNC, PrefixLookup, PutReport, SharedMemory, StoreConfig, StoreError, StoreStats,
-    StoredBlock, TieredStore,
+    DEFAULT_G3_SYNC, LayerSink, PrefixLookup, PutReport, SharedMemory, StoreConfig, StoreError,
+    StoreStats, StoredBlock, TieredStore,
 };
 pub use transfer::{BlockRegions, BlockResult, Transfer};
 pub use verify::BlockSpec;

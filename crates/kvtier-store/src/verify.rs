@@ -6,7 +6,7 @@
 //! that fails is a miss, deleted from its tier, never served. G2 holds only
 //! blocks that were encoded here or passed this check on their way in.
 
-use crate::block::{BlockError, BlockHeader, decode_block};
+use crate::block::{BlockError, BlockHeader, decode_block_summed};
 use crate::key::{BlockKey, ModelFingerprint};
 use crate::kv_layout::KvLayout;
 
@@ -25,7 +25,18 @@ impl BlockSpec {
     /// Checks `bytes` (an encoded block, padding allowed) as the block
     /// stored under `key`; returns its header.
     pub fn verify(&self, bytes: &[u8], key: &BlockKey) -> Result<BlockHeader, BlockError> {
-        let (header, _) = decode_block(bytes, Some(key))?;
+        self.verify_summed(bytes, key, None)
+    }
+
+    /// [`verify`](Self::verify), with the payload's CRC32C already summed
+    /// by the caller (`None`: summed here).
+    pub fn verify_summed(
+        &self,
+        bytes: &[u8],
+        key: &BlockKey,
+        payload_crc: Option<u32>,
+    ) -> Result<BlockHeader, BlockError> {
+        let (header, _) = decode_block_summed(bytes, Some(key), payload_crc)?;
         if header.layout != self.layout {
             return Err(BlockError::LayoutMismatch {
                 expected: self.layout,

@@ -22,7 +22,7 @@
 
 use candle_core::Tensor;
 
-use super::{Layer, Model, Segment};
+use super::{Layer, LayerGate, Model, Segment};
 use crate::engine_error::EngineError;
 use crate::gemv::{self, with_host};
 use crate::kv_pool::KvPool;
@@ -39,6 +39,7 @@ impl Model {
         &self,
         pool: &KvPool,
         segs: &[Segment<'_>],
+        gate: LayerGate<'_>,
     ) -> Result<Option<Tensor>, EngineError> {
         let m = segs.len();
         if !self.device.is_cpu()
@@ -61,6 +62,7 @@ impl Model {
             return Ok(None);
         };
         for (li, layer) in self.layers.iter().enumerate() {
+            gate(li);
             let Some(()) = self.decode_layer(pool, li, layer, segs, &mut x, eps)? else {
                 return Ok(None);
             };
@@ -336,10 +338,10 @@ mod tests {
                 })
                 .collect();
             let fast = m
-                .forward_decode(&a, &segs)
+                .forward_decode(&a, &segs, &|_| {})
                 .unwrap()
                 .expect("the decode path applies");
-            let general = m.forward_general(&b, &segs).unwrap();
+            let general = m.forward_general(&b, &segs, &|_| {}).unwrap();
             let (f, g): (Vec<f32>, Vec<f32>) = (
                 fast.flatten_all().unwrap().to_vec1().unwrap(),
                 general.flatten_all().unwrap().to_vec1().unwrap(),

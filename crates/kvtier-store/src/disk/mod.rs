@@ -48,10 +48,12 @@
 //! `dir_lock` (the owner lock), `slots` (the slot table: index, free
 //! list, pins, CLOCK), `saved_index` (checkpoint and journal),
 //! `recover` (the index rebuilt at open), `slot_read` (batched, verified reads),
+//! `part_read` (reads in parts, layer-major, for a layer-wise restore),
 //! `slot_write` (batched writes, wipes, sync); this file holds the
 //! configuration and opening.
 
 mod dir_lock;
+mod part_read;
 mod recover;
 mod saved_index;
 mod slot_read;
@@ -71,6 +73,7 @@ use crate::key::{BlockKey, ModelFingerprint};
 use crate::kv_layout::{Arrangement, KvLayout};
 use crate::metrics::TierMetrics;
 use crate::verify::BlockSpec;
+pub use part_read::OnLanded;
 pub use recover::Recovery;
 use saved_index::SavedIndex;
 use slots::SlotTable;

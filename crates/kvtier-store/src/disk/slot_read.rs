@@ -10,6 +10,9 @@ use std::time::Instant;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoDone, IoOp};
 
 use super::{DiskRead, DiskTier, ReadOutcome};
+
+/// One pinned read: the request's index, its key and its slot.
+pub(super) type ReadPlan = (usize, BlockKey, u32);
 use crate::block::BlockError;
 use crate::key::BlockKey;
 
@@ -30,29 +33,7 @@ impl DiskTier {
         reqs: Vec<(BlockKey, AlignedBuf)>,
         in_flight: usize,
     ) -> Vec<DiskRead> {
-        let mut out: Vec<Option<DiskRead>> = (0..reqs.len()).map(|_| None).collect();
-        let mut plan: Vec<(usize, BlockKey, u32)> = Vec::new();
-        let mut bufs: Vec<AlignedBuf> = Vec::new();
-        {
-            let mut slots = self.slots.lock();
-            for (i, (key, mut buf)) in reqs.into_iter().enumerate() {
-                let outcome = if buf.capacity() < self.slot_bytes && slots.slot_of(&key).is_some() {
-                    ReadOutcome::Io(io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        "read buffer smaller than a G3 slot",
-                    ))
-                } else if let Some(slot) = slots.pin(&key) {
-                    buf.set_len(self.slot_bytes);
-                    plan.push((i, key, slot));
-                    bufs.push(buf);
-                    continue;
-                } else {
-                    self.metrics.misses.inc();
-                    ReadOutcome::Miss
-                };
-                out[i] = Some(DiskRead { key, buf, outcome });
-            }
-        }
+        let (mut out, plan, bufs) = self.pin_reads(reqs);
         if plan.is_empty() {
             return out.into_iter().flatten().collect();
         }
@@ -74,15 +55,66 @@ impl DiskTier {
         let t = Instant::now();
         let done = self.engine.run_batch_map(ops, in_flight, verify);
         self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
-        let mut wipe: Vec<u32> = Vec::new();
-        let mut slots = self.slots.lock();
-        for (&(i, key, slot), (d, verified)) in plan.iter().zip(done) {
-            let outcome = match (d.result, verified) {
+        let mut settled = Vec::with_capacity(plan.len());
+        let mut bufs = Vec::with_capacity(plan.len());
+        for (d, verified) in done {
+            settled.push(match (d.result, verified) {
                 (Err(e), _) => ReadOutcome::Io(e),
                 (Ok(_), Some(Ok(()))) => ReadOutcome::Hit,
                 (Ok(_), Some(Err(e))) => ReadOutcome::Corrupt(e),
                 (Ok(_), None) => ReadOutcome::Io(io::Error::other("read not verified")),
+            });
+            bufs.push(d.buf.into_owned());
+        }
+        self.settle_reads(&plan, settled, bufs, &mut out);
+        out.into_iter().flatten().collect()
+    }
+
+    /// Pins the slot of each request's key (a miss, or a buffer smaller
+    /// than a slot, is settled at once in the first result); the rest come
+    /// back as a plan (request index, key, slot) with their buffers, each
+    /// set to a slot's length.
+    pub(super) fn pin_reads(
+        &self,
+        reqs: Vec<(BlockKey, AlignedBuf)>,
+    ) -> (Vec<Option<DiskRead>>, Vec<ReadPlan>, Vec<AlignedBuf>) {
+        let mut out: Vec<Option<DiskRead>> = (0..reqs.len()).map(|_| None).collect();
+        let mut plan = Vec::new();
+        let mut bufs = Vec::new();
+        let mut slots = self.slots.lock();
+        for (i, (key, mut buf)) in reqs.into_iter().enumerate() {
+            let outcome = if buf.capacity() < self.slot_bytes && slots.slot_of(&key).is_some() {
+                ReadOutcome::Io(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "read buffer smaller than a G3 slot",
+                ))
+            } else if let Some(slot) = slots.pin(&key) {
+                buf.set_len(self.slot_bytes);
+                plan.push((i, key, slot));
+                bufs.push(buf);
+                continue;
+            } else {
+                self.metrics.misses.inc();
+                ReadOutcome::Miss
             };
+            out[i] = Some(DiskRead { key, buf, outcome });
+        }
+        (out, plan, bufs)
+    }
+
+    /// Unpins the slots of `plan` after their reads found `outcomes`
+    /// (a corrupt block is dropped from the index and its header wiped),
+    /// counts them, and puts each buffer the engine handed back into `out`.
+    pub(super) fn settle_reads(
+        &self,
+        plan: &[ReadPlan],
+        outcomes: Vec<ReadOutcome>,
+        bufs: Vec<Option<AlignedBuf>>,
+        out: &mut [Option<DiskRead>],
+    ) {
+        let mut wipe: Vec<u32> = Vec::new();
+        let mut slots = self.slots.lock();
+        for ((&(i, key, slot), outcome), buf) in plan.iter().zip(outcomes).zip(bufs) {
             let corrupt = matches!(outcome, ReadOutcome::Corrupt(_));
             if slots.unpin(slot, &key, corrupt, &mut wipe)
                 && let ReadOutcome::Corrupt(e) = &outcome
@@ -104,8 +136,8 @@ impl DiskTier {
                 }
                 ReadOutcome::Miss => {}
             }
-            if let Some(buf) = d.buf.into_owned() {
-                out[i] = Some(DiskRead { key, buf, outcome });
+            if let (Some(buf), Some(slot_out)) = (buf, out.get_mut(i)) {
+                *slot_out = Some(DiskRead { key, buf, outcome });
             }
         }
         self.set_occupancy(&slots);
@@ -113,7 +145,37 @@ impl DiskTier {
         if !wipe.is_empty() {
             self.wipe(&wipe);
         }
-        out.into_iter().flatten().collect()
+    }
+
+    /// A read buffer of one slot from the allocation hook (empty when the
+    /// allocation fails: its read then fails, and is a miss).
+    pub(super) fn slot_buffer(&self) -> AlignedBuf {
+        AlignedBuf::for_overwrite_in(&self.alloc, self.slot_bytes, DIRECT_IO_ALIGN).unwrap_or_else(
+            |e| {
+                tracing::warn!("G3 read buffer allocation failed: {e}");
+                AlignedBuf::empty()
+            },
+        )
+    }
+
+    /// Matches the reads of `keys` back up by key (the engine drops only a
+    /// result whose buffer it lost), in the order of `keys`.
+    pub(super) fn in_key_order(
+        keys: &[BlockKey],
+        reads: Vec<DiskRead>,
+    ) -> Vec<(ReadOutcome, AlignedBuf)> {
+        let mut out: Vec<(ReadOutcome, AlignedBuf)> = Vec::with_capacity(keys.len());
+        let mut reads = reads.into_iter().peekable();
+        for key in keys {
+            match reads.next_if(|r| r.key == *key) {
+                Some(r) => out.push((r.outcome, r.buf)),
+                None => out.push((
+                    ReadOutcome::Io(io::Error::other("the read's buffer was lost")),
+                    AlignedBuf::empty(),
+                )),
+            }
+        }
+        out
     }
 
     /// Reads blocks into buffers from the allocation hook; `None` for a miss
@@ -128,31 +190,7 @@ impl DiskTier {
     /// Reads blocks into buffers from the allocation hook, with what each
     /// read found, in the order of `keys`.
     pub fn read_outcomes(&self, keys: &[BlockKey]) -> Vec<(ReadOutcome, AlignedBuf)> {
-        let reqs = keys
-            .iter()
-            .map(|key| {
-                let buf =
-                    AlignedBuf::for_overwrite_in(&self.alloc, self.slot_bytes, DIRECT_IO_ALIGN)
-                        .unwrap_or_else(|e| {
-                            tracing::warn!("G3 read buffer allocation failed: {e}");
-                            AlignedBuf::empty()
-                        });
-                (*key, buf)
-            })
-            .collect();
-        // `read_many` keeps the order and drops only a result whose buffer
-        // the engine lost: match them up by key so nothing shifts.
-        let mut out: Vec<(ReadOutcome, AlignedBuf)> = Vec::with_capacity(keys.len());
-        let mut reads = self.read_many(reqs).into_iter().peekable();
-        for key in keys {
-            match reads.next_if(|r| r.key == *key) {
-                Some(r) => out.push((r.outcome, r.buf)),
-                None => out.push((
-                    ReadOutcome::Io(io::Error::other("the read's buffer was lost")),
-                    AlignedBuf::empty(),
-                )),
-            }
-        }
-        out
+        let reqs = keys.iter().map(|key| (*key, self.slot_buffer())).collect();
+        Self::in_key_order(keys, self.read_many(reqs))
     }
 }

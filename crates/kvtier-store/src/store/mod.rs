@@ -17,7 +17,10 @@
 //!   flight together, every block is verified, the walk stops at the first
 //!   miss. `read_prefix_async` runs it on the store's reader threads and
 //!   hands back a [`Handle`]. `get_many` reads any set of keys the same way.
-//!   G3 and G4 hits are promoted into G2.
+//!   G3 and G4 hits are promoted into G2. `read_prefix_layered` also
+//!   hands each block's layers to a [`LayerSink`] as they land, G3 read
+//!   layer-major across the prefix ([`layer_reads`]), for an engine that
+//!   computes layer by layer while the rest is read.
 //! * With G4 ([`StoreConfig::remote`]), blocks put are also written through
 //!   to the shared pool by a second background writer ([`write_through`],
 //!   subject to the admission filter), dropped and counted when its queue is
@@ -26,6 +29,7 @@
 //!   not yet on disk to G3 and syncs it, so a clean stop keeps the cache.
 
 mod g3_sync;
+mod layer_reads;
 mod pending;
 mod shared_memory;
 mod store_error;
@@ -52,6 +56,7 @@ use crate::metrics::{StoreMetrics, Tier};
 use crate::remote::{RemoteConfig, RemoteTier};
 use crate::verify::BlockSpec;
 use crate::workers::Workers;
+pub use layer_reads::{LayerSink, MIN_PART_BYTES};
 pub use shared_memory::SharedMemory;
 pub use store_error::StoreError;
 pub(crate) use tier_reads::Found;

@@ -18,7 +18,9 @@ use std::sync::Arc;
 
 use kvtier_io::AlignedBuf;
 
+use super::layer_reads::{LayerSink, LayerSpans};
 use super::{StoredBlock, TieredStore};
+use crate::block::HEADER_BYTES;
 use crate::disk::ReadOutcome;
 use crate::key::BlockKey;
 use crate::metrics::Tier;
@@ -38,7 +40,8 @@ pub(crate) enum Found {
 }
 
 impl Found {
-    fn hit(self) -> Option<StoredBlock> {
+    /// The block, for a hit.
+    pub(crate) fn into_hit(self) -> Option<StoredBlock> {
         match self {
             Found::Hit(b) => Some(b),
             _ => None,
@@ -54,7 +57,7 @@ impl TieredStore {
     pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<StoredBlock>> {
         self.fetch(keys, false)
             .into_iter()
-            .map(Found::hit)
+            .map(Found::into_hit)
             .collect()
     }
 
@@ -64,7 +67,7 @@ impl TieredStore {
     pub fn read_prefix(&self, keys: &[BlockKey]) -> Vec<StoredBlock> {
         self.fetch(keys, true)
             .into_iter()
-            .map_while(Found::hit)
+            .map_while(Found::into_hit)
             .collect()
     }
 
@@ -72,7 +75,25 @@ impl TieredStore {
     /// `leading`, only as far as the leading run of cached blocks can go
     /// (the outcomes past it are misses).
     pub(crate) fn fetch(&self, keys: &[BlockKey], leading: bool) -> Vec<Found> {
+        self.fetch_to(keys, leading, None)
+    }
+
+    /// [`fetch`](Self::fetch), handing each block's layers to `sink` as
+    /// they land (`layer_reads`).
+    pub(crate) fn fetch_to(
+        &self,
+        keys: &[BlockKey],
+        leading: bool,
+        sink: Option<&dyn LayerSink>,
+    ) -> Vec<Found> {
         let inner = &self.inner;
+        let layers = inner.layout.layers;
+        let spans = sink.and_then(|_| LayerSpans::of(&inner.layout));
+        let whole = |i: usize, b: &StoredBlock| {
+            if let Some(sink) = sink {
+                sink.layers(i, 0..layers, b.payload());
+            }
+        };
         let payload_len = inner.layout.stored_payload_bytes() as usize;
         let block = |i: usize, tier: Tier, buf: Arc<AlignedBuf>| StoredBlock {
             key: keys[i],
@@ -99,6 +120,11 @@ impl TieredStore {
             .enumerate()
             .map(|(i, b)| b.map_or(Found::Miss, |b| Found::Hit(block(i, Tier::G2, b))))
             .collect();
+        for (i, found) in out.iter().enumerate() {
+            if let Found::Hit(b) = found {
+                whole(i, b);
+            }
+        }
         self.record_sightings(
             keys.iter()
                 .zip(&out)
@@ -135,14 +161,70 @@ impl TieredStore {
         }
         let g3_keys: Vec<BlockKey> = from_g3.iter().map(|&i| keys[i]).collect();
         let g4_keys: Vec<BlockKey> = from_g4.iter().map(|&i| keys[i]).collect();
-        let read_g3 = || match self.disk() {
-            Some(d) if !g3_keys.is_empty() => d.read_outcomes(&g3_keys),
+        // The leading run of keys some tier holds, `in_g4` telling which
+        // of `from_g4` were found there.
+        let planned = |in_g4: &dyn Fn(usize) -> bool| -> Vec<Tier> {
+            let tier = |i: usize| {
+                if matches!(out[i], Found::Hit(_)) {
+                    Some(Tier::G2)
+                } else if from_g3.contains(&i) {
+                    Some(Tier::G3)
+                } else {
+                    from_g4
+                        .iter()
+                        .position(|&j| j == i)
+                        .is_some_and(in_g4)
+                        .then_some(Tier::G4)
+                }
+            };
+            (0..keys.len()).map_while(tier).collect()
+        };
+        if let Some(sink) = sink
+            && remote.is_none()
+        {
+            sink.planned(&planned(&|_| false));
+        }
+        let read_g3 = || match (self.disk(), sink) {
+            (Some(d), Some(sink)) if !g3_keys.is_empty() => {
+                let cuts = spans.as_ref().map(LayerSpans::cuts).unwrap_or_default();
+                let slot_bytes = inner.layout.encoded_bytes() as usize;
+                let landed = |j: usize, new: std::ops::Range<usize>, slot: &[u8]| {
+                    let Some(&i) = from_g3.get(j) else { return };
+                    match &spans {
+                        Some(spans) => spans.hand_over(sink, i, new, slot),
+                        None if new.end == slot_bytes => {
+                            if let Some(p) = slot.get(HEADER_BYTES..HEADER_BYTES + payload_len) {
+                                sink.layers(i, 0..layers, p);
+                            }
+                        }
+                        None => {}
+                    }
+                };
+                d.read_in_parts(&g3_keys, &cuts, &landed)
+            }
+            (Some(d), _) if !g3_keys.is_empty() => d.read_outcomes(&g3_keys),
             _ => Vec::new(),
         };
-        let read_g4 = || match remote {
-            Some(r) if !g4_keys.is_empty() && leading => (r.get_leading(&g4_keys), None),
-            Some(r) if !g4_keys.is_empty() => r.get_many_reporting(&g4_keys),
-            _ => (Vec::new(), None),
+        let read_g4 = || {
+            let got = match remote {
+                Some(r) if !g4_keys.is_empty() && leading => (r.get_leading(&g4_keys), None),
+                Some(r) if !g4_keys.is_empty() => r.get_many_reporting(&g4_keys),
+                _ => (Vec::new(), None),
+            };
+            if let Some(sink) = sink
+                && remote.is_some()
+            {
+                let found = |j: usize| matches!(got.0.get(j), Some(Some(Ok(_))));
+                sink.planned(&planned(&found));
+                for (&i, g) in from_g4.iter().zip(&got.0) {
+                    if let Some(Ok(buf)) = g
+                        && let Some(p) = buf.get(HEADER_BYTES..HEADER_BYTES + payload_len)
+                    {
+                        sink.layers(i, 0..layers, p);
+                    }
+                }
+            }
+            got
         };
         // Both tiers' reads in flight at once: G4 on a second thread (it
         // mostly waits on the network), G3 here.

@@ -1,0 +1,172 @@
+//! Layer-wise restore: a restored prefix's layers are decoded into its G1
+//! pages as they land, on the store's threads, and the forward pass that
+//! computes the rest of the prompt waits at each layer only for that
+//! layer ([`RestoreSink::wait_layer`]), so layer `l`'s attention runs while
+//! layers after it are still being read. TTFT then tends to the larger of
+//! the restore and the suffix's compute instead of their sum.
+//!
+//! What lands is not verified yet (the store verifies each block once all
+//! of it is in: `kvtier_store::LayerSink`). Nothing computed from it is
+//! served before that: the step that used it checks the read's result
+//! before it hands back any logits, and a block that failed (or could not
+//! be decoded) cuts the prefix there: the step's work is dropped and the
+//! rest of the prompt is recomputed (`Engine::step`).
+
+use std::ops::Range;
+use std::time::Instant;
+
+use kvtier_store::{KvLayout, LayerSink, Tier};
+use parking_lot::{Condvar, Mutex};
+
+use crate::kv_pool::{PageId, PageWriter};
+
+/// What has landed of a layer-wise restore.
+#[derive(Debug, Default)]
+struct Landed {
+    /// The tiers of the leading run the store will hand over, once known.
+    planned: Option<Vec<Tier>>,
+    /// `layers[l][i]`: layer `l` of block `i` is in its page.
+    layers: Vec<Vec<bool>>,
+    /// Blocks a layer of which could not be decoded into its page.
+    failed: Vec<bool>,
+    /// The store's read is done (its handle holds the verified blocks).
+    done: bool,
+    /// When it was done.
+    done_at: Option<Instant>,
+}
+
+/// Receives a restore's layers from the store into G1 pages (one per key
+/// asked for) and lets the forward pass wait for each layer.
+#[derive(Debug)]
+pub(crate) struct RestoreSink {
+    writer: PageWriter,
+    layout: KvLayout,
+    pages: Vec<PageId>,
+    landed: Mutex<Landed>,
+    changed: Condvar,
+}
+
+impl RestoreSink {
+    /// A sink filling `pages` (the `i`-th key's layers into `pages[i]`) of
+    /// blocks of `layout`.
+    pub(crate) fn new(writer: PageWriter, layout: KvLayout, pages: Vec<PageId>) -> Self {
+        let n = pages.len();
+        Self {
+            writer,
+            layout,
+            landed: Mutex::new(Landed {
+                layers: vec![vec![false; n]; layout.layers as usize],
+                failed: vec![false; n],
+                ..Landed::default()
+            }),
+            pages,
+            changed: Condvar::new(),
+        }
+    }
+
+    /// The pages, one per key asked for.
+    pub(crate) fn pages(&self) -> &[PageId] {
+        &self.pages
+    }
+
+    /// The store's read is done: wakes every waiter.
+    pub(crate) fn finish(&self) {
+        let mut st = self.landed.lock();
+        st.done = true;
+        st.done_at = Some(Instant::now());
+        self.changed.notify_all();
+    }
+
+    /// When the read was done, if it is.
+    pub(crate) fn done_at(&self) -> Option<Instant> {
+        self.landed.lock().done_at
+    }
+
+    /// The tiers of the leading run the store will hand over, once known
+    /// (empty when the read ended without saying).
+    pub(crate) fn planned(&self) -> Option<Vec<Tier>> {
+        let st = self.landed.lock();
+        match (&st.planned, st.done) {
+            (Some(p), _) => Some(p.clone()),
+            (None, true) => Some(Vec::new()),
+            (None, false) => None,
+        }
+    }
+
+    /// Waits for [`planned`](Self::planned).
+    pub(crate) fn wait_planned(&self) -> Vec<Tier> {
+        let mut st = self.landed.lock();
+        loop {
+            match (&st.planned, st.done) {
+                (Some(p), _) => return p.clone(),
+                (None, true) => return Vec::new(),
+                (None, false) => self.changed.wait(&mut st),
+            }
+        }
+    }
+
+    /// Waits until layer `layer` of each of the first `blocks` blocks is in
+    /// its page (or could not be), or the read is done.
+    pub(crate) fn wait_layer(&self, layer: usize, blocks: usize) {
+        let mut st = self.landed.lock();
+        loop {
+            let ready = st.done
+                || st.layers.get(layer).is_none_or(|row| {
+                    row.iter()
+                        .zip(&st.failed)
+                        .take(blocks)
+                        .all(|(&landed, &failed)| landed || failed)
+                });
+            if ready {
+                return;
+            }
+            self.changed.wait(&mut st);
+        }
+    }
+
+    /// The first of the leading `blocks` a layer of which could not be
+    /// decoded into its page.
+    pub(crate) fn first_failed(&self, blocks: usize) -> Option<usize> {
+        self.landed
+            .lock()
+            .failed
+            .iter()
+            .take(blocks)
+            .position(|&f| f)
+    }
+}
+
+impl LayerSink for RestoreSink {
+    fn layers(&self, index: usize, layers: Range<u32>, stored: &[u8]) {
+        let Some(&page) = self.pages.get(index) else {
+            return;
+        };
+        let result = self
+            .writer
+            .import_layers(page, &self.layout, layers.clone(), stored);
+        let mut st = self.landed.lock();
+        match result {
+            Ok(()) => {
+                for l in layers {
+                    if let Some(slot) = st.layers.get_mut(l as usize).and_then(|r| r.get_mut(index))
+                    {
+                        *slot = true;
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!("restoring layers {layers:?} of block {index} failed: {e}");
+                if let Some(f) = st.failed.get_mut(index) {
+                    *f = true;
+                }
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    fn planned(&self, tiers: &[Tier]) {
+        let mut st = self.landed.lock();
+        st.planned = Some(tiers.iter().copied().take(self.pages.len()).collect());
+        self.changed.notify_all();
+    }
+}

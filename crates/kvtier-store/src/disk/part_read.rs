@@ -1,0 +1,191 @@
+//! G3 reads in parts, for a layer-wise restore: each slot is read as
+//! several aligned parts, issued part-major across the batch (every block's
+//! first part, then every block's second, ...), so the first layers of a
+//! whole prefix land before its last ones. Each time a block's leading run
+//! of landed parts grows, the caller sees those bytes at once, unverified,
+//! while the rest is still in flight; the payload's checksum is summed part
+//! by part as they land, and the block is verified as a whole (header, key,
+//! layout, model, that sum) once all of it is in. A block that fails is a
+//! miss, dropped and wiped as in [`DiskTier::read_many`]: a caller that used
+//! its early bytes must drop what it made of them.
+
+use std::io;
+use std::ops::Range;
+use std::ptr::NonNull;
+use std::time::Instant;
+
+use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoDone, IoOp};
+use parking_lot::Mutex;
+
+use super::{DiskRead, DiskTier, ReadOutcome};
+use crate::block::{BlockError, HEADER_BYTES};
+use crate::key::BlockKey;
+
+/// How much of one block has landed.
+struct Landed {
+    /// Which parts are in.
+    parts: Vec<bool>,
+    /// The leading parts that are all in.
+    run: usize,
+    /// CRC32C of the payload bytes in those leading parts.
+    crc: u32,
+    /// A part's read failed (the error) or came back short (`None` error).
+    failed: Option<Option<io::Error>>,
+}
+
+/// What the caller of [`DiskTier::read_in_parts`] is told as a block
+/// lands: its index in the keys, the slot bytes new this time, and the
+/// slot's first bytes (up to the end of those), all landed.
+pub type OnLanded<'a> = dyn Fn(usize, Range<usize>, &[u8]) + Sync + 'a;
+
+impl DiskTier {
+    /// Reads `keys` into fresh buffers (from the allocation hook), each
+    /// slot in parts cut at `cuts` (slot byte offsets; those not a multiple
+    /// of 4 KiB inside the slot, or not increasing, are ignored), part-major
+    /// across the keys with the configured reads in flight. `landed(i,
+    /// from..to, bytes)` runs (on an I/O thread) each time the run of key
+    /// `i`'s leading landed parts grows: `bytes` is the slot's first `to`
+    /// bytes, `from..to` what is new; they are not verified yet. Outcomes
+    /// and buffers as [`read_outcomes`](Self::read_outcomes) gives them.
+    pub fn read_in_parts(
+        &self,
+        keys: &[BlockKey],
+        cuts: &[usize],
+        landed: &OnLanded<'_>,
+    ) -> Vec<(ReadOutcome, AlignedBuf)> {
+        let reqs = keys.iter().map(|key| (*key, self.slot_buffer())).collect();
+        let (mut out, plan, mut bufs) = self.pin_reads(reqs);
+        if plan.is_empty() {
+            return Self::in_key_order(keys, out.into_iter().flatten().collect());
+        }
+        let mut bounds = vec![0usize];
+        for &c in cuts {
+            if c.is_multiple_of(DIRECT_IO_ALIGN)
+                && c < self.slot_bytes
+                && bounds.last().is_some_and(|&b| c > b)
+            {
+                bounds.push(c);
+            }
+        }
+        bounds.push(self.slot_bytes);
+        let parts = bounds.len() - 1;
+        // Where each planned buffer (a slot long, set by `pin_reads`)
+        // starts, as addresses: the callback that reads landed parts runs
+        // on I/O threads.
+        let bases: Vec<usize> = bufs
+            .iter_mut()
+            .map(|b| b.as_mut_ptr().expose_provenance())
+            .collect();
+        let at = |base: usize, offset: usize| -> NonNull<u8> {
+            NonNull::new(std::ptr::with_exposed_provenance_mut::<u8>(base).wrapping_add(offset))
+                .unwrap_or(NonNull::dangling())
+        };
+        let progress: Vec<Mutex<Landed>> = plan
+            .iter()
+            .map(|_| {
+                Mutex::new(Landed {
+                    parts: vec![false; parts],
+                    run: 0,
+                    crc: 0,
+                    failed: None,
+                })
+            })
+            .collect();
+        let payload = HEADER_BYTES..HEADER_BYTES + self.spec.layout.stored_payload_bytes() as usize;
+        let n = plan.len();
+        let mut ops = Vec::with_capacity(n * parts);
+        for p in 0..parts {
+            for (&(_, _, slot), base) in plan.iter().zip(&bases) {
+                let (file, off) = self.locate(slot);
+                // SAFETY: parts are disjoint ranges inside a buffer of at
+                // least a slot (checked by `pin_reads`), aligned as O_DIRECT
+                // asks (a 4 KiB-aligned buffer, 4 KiB-multiple cuts). `bufs`
+                // outlives the batch, and nothing touches a part until its
+                // read completed: the callback reads only landed parts.
+                let op = unsafe {
+                    IoOp::read_raw(
+                        file,
+                        off + bounds[p] as u64,
+                        at(*base, bounds[p]),
+                        bounds[p + 1] - bounds[p],
+                    )
+                };
+                ops.push(op);
+            }
+        }
+        let on_done = |k: usize, d: &IoDone| {
+            let (p, j) = (k / n, k % n);
+            let (Some(state), Some(base), Some(&(i, _, _))) =
+                (progress.get(j), bases.get(j), plan.get(j))
+            else {
+                return;
+            };
+            let want = bounds[p + 1] - bounds[p];
+            let mut st = state.lock();
+            match &d.result {
+                Ok(got) if *got == want => st.parts[p] = true,
+                Ok(_) => {
+                    st.failed.get_or_insert(None);
+                    return;
+                }
+                Err(e) => {
+                    st.failed = Some(Some(io::Error::new(e.kind(), e.to_string())));
+                    return;
+                }
+            }
+            let mut run = st.run;
+            while run < parts && st.parts[run] {
+                run += 1;
+            }
+            if run == st.run {
+                return;
+            }
+            let (from, to) = (bounds[st.run], bounds[run]);
+            // SAFETY: parts 0..run of this block have landed; no read
+            // writes them any more, and the buffer outlives the batch.
+            let bytes = unsafe { std::slice::from_raw_parts(at(*base, 0).as_ptr(), to) };
+            let new_payload = from.max(payload.start)..to.min(payload.end);
+            if new_payload.start < new_payload.end {
+                st.crc = crc32c::crc32c_append(st.crc, &bytes[new_payload]);
+            }
+            st.run = run;
+            drop(st);
+            landed(i, from..to, bytes);
+        };
+        let t = Instant::now();
+        // The callback saw every part it needed; the ops' buffers are raw
+        // targets inside `bufs`, which come back below.
+        drop(self.engine.run_batch_map(ops, self.in_flight, on_done));
+        self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
+        let outcomes = plan
+            .iter()
+            .zip(progress)
+            .zip(&bufs)
+            .map(|((&(_, key, _), state), buf)| {
+                let st = state.into_inner();
+                match st.failed {
+                    Some(Some(e)) => ReadOutcome::Io(e),
+                    Some(None) => ReadOutcome::Corrupt(BlockError::TooShort {
+                        needed: self.slot_bytes,
+                        got: bounds[st.run],
+                    }),
+                    None if st.run < parts => {
+                        ReadOutcome::Io(io::Error::other("a part of the read did not complete"))
+                    }
+                    None => match self.spec.verify_summed(buf, &key, Some(st.crc)) {
+                        Ok(_) => ReadOutcome::Hit,
+                        Err(e) => ReadOutcome::Corrupt(e),
+                    },
+                }
+            })
+            .collect();
+        self.settle_reads(
+            &plan,
+            outcomes,
+            bufs.into_iter().map(Some).collect(),
+            &mut out,
+        );
+        let reads: Vec<DiskRead> = out.into_iter().flatten().collect();
+        Self::in_key_order(keys, reads)
+    }
+}

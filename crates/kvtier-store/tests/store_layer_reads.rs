@@ -1,0 +1,185 @@
+//! Layer-wise prefix reads (`read_prefix_layered`): every layer of every
+//! block of the leading run is handed to the sink exactly once, with the
+//! block's own bytes; G3 reads go part-major (layer 0 of every block before
+//! layer 1 of any, with one read in flight); the result is the verified
+//! run, and a corrupt block is handed over (unverified) but cut from it.
+
+// Test helpers outside #[test] fns may unwrap: a failure there is a test failure.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex, mpsc};
+
+use common::{fingerprint, flip_byte, keys, payload_for};
+use kvtier_store::block::HEADER_BYTES;
+use kvtier_store::{
+    Arrangement, DiskConfig, KvDtype, KvLayout, LayerSink, StoreConfig, Tier, TieredStore,
+};
+
+/// 4 layers of 128 KiB (2 x 4 heads x 64 tokens x 64 dims x f32), layer-major.
+fn layout() -> KvLayout {
+    KvLayout {
+        layers: 4,
+        kv_heads: 4,
+        head_dim: 64,
+        block_tokens: 64,
+        dtype: KvDtype::F32,
+        codec: kvtier_store::KvCodec::None,
+        arrangement: Arrangement::LayerMajor,
+        shard: None,
+    }
+}
+
+const LAYER: usize = 128 * 1024;
+
+fn open(dir: &std::path::Path, in_flight: usize) -> TieredStore {
+    let slot = layout().encoded_bytes();
+    let mut c = StoreConfig::new(layout(), fingerprint());
+    c.memory_bytes = 64 * slot;
+    let mut dc = DiskConfig::new(vec![dir.to_path_buf()], 64 * slot, layout());
+    dc.in_flight = in_flight;
+    c.disk = Some(dc);
+    c.g3_sync = None;
+    TieredStore::open(c).unwrap()
+}
+
+/// One hand-over: block index, layers, bytes.
+type Handed = (usize, Range<u32>, Vec<u8>);
+
+/// Records what it is handed.
+#[derive(Default)]
+struct Recorder {
+    got: Mutex<Vec<Handed>>,
+    planned: Mutex<Vec<Vec<Tier>>>,
+}
+
+impl LayerSink for Recorder {
+    fn layers(&self, index: usize, layers: Range<u32>, stored: &[u8]) {
+        self.got
+            .lock()
+            .unwrap()
+            .push((index, layers, stored.to_vec()));
+    }
+
+    fn planned(&self, tiers: &[Tier]) {
+        self.planned.lock().unwrap().push(tiers.to_vec());
+    }
+}
+
+/// Reads `ks` layer-wise; the verified blocks' keys and what the sink saw.
+fn read(store: &TieredStore, ks: &[kvtier_store::BlockKey]) -> (usize, Arc<Recorder>) {
+    let sink = Arc::new(Recorder::default());
+    let (tx, rx) = mpsc::channel();
+    let handle = store.read_prefix_layered(ks.to_vec(), sink.clone(), move || {
+        let _ = tx.send(());
+    });
+    let blocks = handle.wait().unwrap();
+    rx.recv().unwrap();
+    for (b, k) in blocks.iter().zip(ks) {
+        assert_eq!(b.key, *k);
+        assert_eq!(
+            b.payload(),
+            &payload_for(k, layout().payload_bytes() as usize)[..]
+        );
+    }
+    (blocks.len(), sink)
+}
+
+/// Each (block, layer) of blocks `0..n` handed over exactly once, with
+/// that layer's bytes of the block's payload.
+fn assert_every_layer_once(ks: &[kvtier_store::BlockKey], n: usize, sink: &Recorder) {
+    let got = sink.got.lock().unwrap();
+    let mut seen = vec![vec![0u32; 4]; n];
+    for (i, layers, bytes) in got.iter() {
+        assert!(*i < n, "block {i} is past the run of {n}");
+        let payload = payload_for(&ks[*i], layout().payload_bytes() as usize);
+        let range = layers.start as usize * LAYER..layers.end as usize * LAYER;
+        assert_eq!(&bytes[..], &payload[range], "block {i} layers {layers:?}");
+        for l in layers.clone() {
+            seen[*i][l as usize] += 1;
+        }
+    }
+    assert!(
+        seen.iter().flatten().all(|&c| c == 1),
+        "every layer of every block once: {seen:?}"
+    );
+}
+
+fn put(store: &TieredStore, ks: &[kvtier_store::BlockKey]) {
+    let len = layout().payload_bytes() as usize;
+    let blocks: Vec<_> = ks.iter().map(|k| (*k, payload_for(k, len))).collect();
+    let refs: Vec<_> = blocks.iter().map(|(k, p)| (*k, &p[..])).collect();
+    store.put_many(&refs).unwrap();
+}
+
+#[test]
+fn g3_layers_land_part_major_each_once_with_their_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    // One read in flight: the order of the reads is the order landed.
+    let store = open(dir.path(), 1);
+    let ks = keys(0..6);
+    put(&store, &ks);
+    store.evict_memory().unwrap();
+    let mut asked = ks.clone();
+    asked.extend(keys(100..101));
+    let (n, sink) = read(&store, &asked);
+    assert_eq!(n, 6, "the run ends at the key no tier holds");
+    assert_eq!(*sink.planned.lock().unwrap(), vec![vec![Tier::G3; 6]]);
+    assert_every_layer_once(&ks, 6, &sink);
+    // Part-major: every block's first layer before any block's last.
+    let got = sink.got.lock().unwrap();
+    let last_first = got.iter().rposition(|(_, l, _)| l.start == 0).unwrap();
+    let first_last = got.iter().position(|(_, l, _)| l.end == 4).unwrap();
+    assert!(
+        last_first < first_last,
+        "layer 0 of every block lands before layer 3 of any"
+    );
+    assert!(got.len() > 6, "the slots were read in parts, not whole");
+}
+
+#[test]
+fn g2_hits_are_handed_over_whole_and_many_reads_in_flight_lose_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), 32);
+    let ks = keys(0..8);
+    put(&store, &ks[..5]);
+    store.evict_memory().unwrap();
+    put(&store, &ks[5..]);
+    // 0..5 from G3 (32 reads in flight), 5..8 from G2.
+    let (n, sink) = read(&store, &ks);
+    assert_eq!(n, 8);
+    let want = [vec![Tier::G3; 5], vec![Tier::G2; 3]].concat();
+    assert_eq!(*sink.planned.lock().unwrap(), vec![want]);
+    assert_every_layer_once(&ks, 8, &sink);
+    let got = sink.got.lock().unwrap();
+    assert!(
+        got.iter()
+            .filter(|(i, _, _)| *i >= 5)
+            .all(|(_, l, _)| *l == (0..4)),
+        "a G2 block is handed over whole"
+    );
+}
+
+#[test]
+fn a_corrupt_block_is_handed_over_but_cut_from_the_verified_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), 8);
+    let ks = keys(0..6);
+    put(&store, &ks);
+    store.evict_memory().unwrap();
+    let (path, off) = store.disk().unwrap().locate_key(&ks[3]).unwrap();
+    // A byte of layer 2: the block's first layers land intact.
+    flip_byte(&path, off + (HEADER_BYTES + 2 * LAYER + 100) as u64);
+    let (n, sink) = read(&store, &ks);
+    assert_eq!(n, 3, "blocks 0..3, then the corrupt block 3");
+    assert_eq!(*sink.planned.lock().unwrap(), vec![vec![Tier::G3; 6]]);
+    assert_eq!(store.metrics().g3.corrupt_blocks.get(), 1);
+    assert!(!store.disk().unwrap().contains(&ks[3]), "deleted");
+    let got = sink.got.lock().unwrap();
+    assert!(
+        got.iter().any(|(i, _, _)| *i == 3),
+        "its layers were handed over before its check failed"
+    );
+}
