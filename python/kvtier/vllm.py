@@ -53,10 +53,14 @@ Decisions (where vLLM leaves a choice):
   ``request_finished`` -> ``get_finished``). Saves copy pages on kvtier's
   threads, off vLLM's step; a finished save is flushed to G3 in the
   background so it survives a restart.
-- **Layer pipelining.** A block is checksummed whole, so a layer cannot be
-  used before its block is verified: ``wait_for_layer_load`` has nothing to
-  wait for (sync loads are waited for in ``start_load_kv``; async loads
-  between steps).
+- **Layer pipelining.** Not here. A block is checksummed whole, so a layer
+  cannot be verified before all of its block has landed. kvtier's own
+  engine computes on landed layers anyway and drops that step's work if a
+  block then fails its check (``read_prefix_layered``, docs/store.md). vLLM
+  cannot take a step back once it ran, so this connector hands vLLM only
+  verified blocks, and ``wait_for_layer_load`` has nothing to wait for.
+  Sync loads are waited for in ``start_load_kv``, async loads between
+  steps. Per-layer checksums (a block format version 3) would allow it.
 - **Memory.** The CPU backend's per-layer tensors ``[num_blocks,
   num_kv_heads, block_size, 2 * head_size]`` are read and written in place
   (``Layout.vllm_cpu``). KV caches on an accelerator are staged through a
