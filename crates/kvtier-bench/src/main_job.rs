@@ -78,6 +78,9 @@ pub struct MainJobOptions {
     pub block_tokens: usize,
     /// How G2 and G3 store the blocks kvtier restores (`--kv-offload-codec`).
     pub kv_offload_codec: kvtier_store::KvCodec,
+    /// Restore an idle engine's prefixes layer by layer
+    /// (`EngineOptions::layerwise_restore`; off: `--no-layerwise-restore`).
+    pub layerwise_restore: bool,
     /// G2 capacity.
     pub g2_bytes: u64,
     /// G3 capacity.
@@ -109,6 +112,7 @@ impl Default for MainJobOptions {
             keep_g2: false,
             block_tokens: 256,
             kv_offload_codec: kvtier_store::KvCodec::None,
+            layerwise_restore: true,
             g2_bytes: 1 << 30,
             g3_bytes: 8 << 30,
             max_batch: 16,
@@ -262,6 +266,7 @@ fn in_process(opts: &MainJobOptions) -> Result<InProcess> {
         pool_pages: per_seq_pages * (opts.max_batch.max(1) + 2),
         max_seq_tokens: max_seq.max(2048),
         prefix_reuse: true,
+        layerwise_restore: opts.layerwise_restore,
         ..Default::default()
     };
     let store = StoreOptions {

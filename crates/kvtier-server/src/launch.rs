@@ -424,7 +424,7 @@ async fn prepare(opts: ServeOptions) -> Result<Ready, ServeError> {
         prefix_reuse: opts.prefix_reuse,
         tenant_salt: opts.tenant_salt.clone().into_bytes(),
         device: open_device(&opts.device)?,
-        layerwise_restore: true,
+        layerwise_restore: opts.layerwise_restore,
     };
     eprintln!(
         "loading {} ({} parameters, {} layers) from {}",

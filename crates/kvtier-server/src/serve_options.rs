@@ -62,6 +62,9 @@ pub struct ServeOptions {
     /// Reuse cached KV (off: recompute every prompt, the baseline; no store
     /// is opened) (default: on).
     pub prefix_reuse: bool,
+    /// Restore an idle engine's prefixes layer by layer
+    /// (`EngineOptions::layerwise_restore`) (default: on).
+    pub layerwise_restore: bool,
     /// Tenant salt mixed into every block key, so one tenant's prefixes are
     /// invisible to another's (default: empty).
     pub tenant_salt: String,
@@ -106,6 +109,7 @@ impl Default for ServeOptions {
             max_batch: 8,
             max_wait: Duration::ZERO,
             prefix_reuse: true,
+            layerwise_restore: true,
             tenant_salt: String::new(),
             conn_limits: ConnLimits::default(),
             api_keys: Vec::new(),

@@ -78,6 +78,12 @@ pub struct BenchCmdArgs {
     /// uncoded KV never mix (docs/block-format.md).
     #[arg(long, value_name = "CODEC", default_value = "none", value_parser = crate::cli::codec_arg)]
     pub kv_offload_codec: kvtier_store::KvCodec,
+    /// Restore a prefix whole before computing the rest of the prompt,
+    /// never layer by layer. By default an idle engine restores layer by
+    /// layer: the new tokens' layer l is computed as soon as layer l has
+    /// landed, while later layers are still being read (docs/architecture.md).
+    #[arg(long)]
+    pub no_layerwise_restore: bool,
     /// G2 capacity.
     #[arg(long, value_parser = parse_size, default_value = "1GiB")]
     pub g2_bytes: u64,
@@ -119,6 +125,7 @@ impl BenchCmdArgs {
             keep_g2: self.keep_g2,
             block_tokens: self.block_tokens,
             kv_offload_codec: self.kv_offload_codec,
+            layerwise_restore: !self.no_layerwise_restore,
             g2_bytes: self.g2_bytes,
             g3_bytes: self.g3_bytes,
             max_batch: self.max_batch,

@@ -109,6 +109,13 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_prefix_reuse: bool,
 
+    /// Restore a prefix whole before computing the rest of the prompt,
+    /// never layer by layer. By default an idle engine restores layer by
+    /// layer: the new tokens' layer l is computed as soon as layer l has
+    /// landed, while later layers are still being read (docs/architecture.md).
+    #[arg(long)]
+    pub no_layerwise_restore: bool,
+
     /// Tenant salt mixed into every block key, so one tenant's prefixes are
     /// invisible to another's.
     #[arg(long, value_name = "TEXT", default_value = "")]
@@ -200,6 +207,7 @@ impl ServeArgs {
             max_batch: self.max_batch as usize,
             max_wait: Duration::from_millis(self.max_wait_ms),
             prefix_reuse: !self.no_prefix_reuse,
+            layerwise_restore: !self.no_layerwise_restore,
             tenant_salt: self.tenant_salt.clone(),
             api_keys: self.api_key.clone(),
             api_keys_file: self.api_keys_file.clone(),
