@@ -15,8 +15,10 @@ use std::sync::{Arc, Mutex, mpsc};
 use common::{fingerprint, flip_byte, keys, payload_for};
 use kvtier_store::block::HEADER_BYTES;
 use kvtier_store::{
-    Arrangement, DiskConfig, KvDtype, KvLayout, LayerSink, StoreConfig, Tier, TieredStore,
+    Arrangement, DiskConfig, KvDtype, KvLayout, LayerSink, RemoteConfig, StoreConfig, Tier,
+    TieredStore,
 };
+use kvtier_testkit::RedisServer;
 
 /// 4 layers of 128 KiB (2 x 4 heads x 64 tokens x 64 dims x f32), layer-major.
 fn layout() -> KvLayout {
@@ -35,6 +37,10 @@ fn layout() -> KvLayout {
 const LAYER: usize = 128 * 1024;
 
 fn open(dir: &std::path::Path, in_flight: usize) -> TieredStore {
+    open_with(dir, in_flight, None)
+}
+
+fn open_with(dir: &std::path::Path, in_flight: usize, g4: Option<&str>) -> TieredStore {
     let slot = layout().encoded_bytes();
     let mut c = StoreConfig::new(layout(), fingerprint());
     c.memory_bytes = 64 * slot;
@@ -42,6 +48,7 @@ fn open(dir: &std::path::Path, in_flight: usize) -> TieredStore {
     dc.in_flight = in_flight;
     c.disk = Some(dc);
     c.g3_sync = None;
+    c.remote = g4.map(RemoteConfig::new);
     TieredStore::open(c).unwrap()
 }
 
@@ -53,10 +60,15 @@ type Handed = (usize, Range<u32>, Vec<u8>);
 struct Recorder {
     got: Mutex<Vec<Handed>>,
     planned: Mutex<Vec<Vec<Tier>>>,
+    /// Layers handed over before `planned` was called.
+    before_planned: Mutex<usize>,
 }
 
 impl LayerSink for Recorder {
     fn layers(&self, index: usize, layers: Range<u32>, stored: &[u8]) {
+        if self.planned.lock().unwrap().is_empty() {
+            *self.before_planned.lock().unwrap() += 1;
+        }
         self.got
             .lock()
             .unwrap()
@@ -182,4 +194,39 @@ fn a_corrupt_block_is_handed_over_but_cut_from_the_verified_run() {
         got.iter().any(|(i, _, _)| *i == 3),
         "its layers were handed over before its check failed"
     );
+}
+
+#[test]
+fn g4_blocks_come_whole_after_g3_ones_and_without_a_g4_read_the_plan_comes_first() {
+    let redis = RedisServer::start().unwrap();
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let ks = keys(0..6);
+    // A writes all six through to G4; B holds 0..3 on its own disk.
+    let a = open_with(da.path(), 8, Some(&redis.url()));
+    put(&a, &ks);
+    a.flush().unwrap();
+    let b = open_with(db.path(), 8, Some(&redis.url()));
+    put(&b, &ks[..3]);
+    b.evict_memory().unwrap();
+    let (n, sink) = read(&b, &ks);
+    assert_eq!(n, 6);
+    let want = [vec![Tier::G3; 3], vec![Tier::G4; 3]].concat();
+    assert_eq!(*sink.planned.lock().unwrap(), vec![want]);
+    assert_every_layer_once(&ks, 6, &sink);
+    assert!(
+        sink.got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(i, _, _)| *i >= 3)
+            .all(|(_, l, _)| *l == (0..4)),
+        "a G4 block is handed over whole"
+    );
+    // All of it local now (G2 evicted to G3): no GET, so the plan is
+    // known before the first layer lands.
+    b.evict_memory().unwrap();
+    let (n, sink) = read(&b, &ks);
+    assert_eq!(n, 6);
+    assert_eq!(*sink.planned.lock().unwrap(), vec![vec![Tier::G3; 6]]);
+    assert_eq!(*sink.before_planned.lock().unwrap(), 0);
 }

@@ -179,8 +179,10 @@ impl TieredStore {
             };
             (0..keys.len()).map_while(tier).collect()
         };
+        // Known now unless G4 is asked: then once its GETs are answered.
+        let ask_g4 = remote.is_some() && !g4_keys.is_empty();
         if let Some(sink) = sink
-            && remote.is_none()
+            && !ask_g4
         {
             sink.planned(&planned(&|_| false));
         }
@@ -212,7 +214,7 @@ impl TieredStore {
                 _ => (Vec::new(), None),
             };
             if let Some(sink) = sink
-                && remote.is_some()
+                && ask_g4
             {
                 let found = |j: usize| matches!(got.0.get(j), Some(Some(Ok(_))));
                 sink.planned(&planned(&found));
