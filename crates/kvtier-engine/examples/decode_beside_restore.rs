@@ -6,7 +6,7 @@
 //! cargo run --release -p kvtier-engine --example decode_beside_restore -- \
 //!     [--model DIR] [--tier g3|g4] [--remote redis://HOST:PORT] \
 //!     [--prefix-tokens 4096] [--restores 5] [--decoders 4] \
-//!     [--kv-offload-codec none|bf16|fp8-e4m3|int8] [--json]
+//!     [--kv-offload-codec none|bf16|fp8-e4m3|int8] [--no-layerwise-restore] [--json]
 //! ```
 //!
 //! 1. A first engine computes `--restores` distinct prompts of
@@ -49,6 +49,7 @@ struct Args {
     restores: usize,
     decoders: usize,
     codec: kvtier_store::KvCodec,
+    layerwise: bool,
     json: bool,
 }
 
@@ -61,6 +62,7 @@ fn parse_args() -> Result<Args, String> {
         restores: 5,
         decoders: 4,
         codec: kvtier_store::KvCodec::None,
+        layerwise: true,
         json: false,
     };
     let mut it = std::env::args().skip(1);
@@ -85,6 +87,7 @@ fn parse_args() -> Result<Args, String> {
                     "--kv-offload-codec none|bf16|fp8-e4m3|int8, not {name}"
                 ))?;
             }
+            "--no-layerwise-restore" => a.layerwise = false,
             "--json" => a.json = true,
             other => return Err(format!("unknown flag {other}")),
         }
@@ -121,6 +124,7 @@ fn engine(model: &Path, a: &Args, cache: &Path) -> Result<Engine, String> {
         block_tokens: BLOCK_TOKENS,
         pool_pages: 160,
         max_seq_tokens: 8192,
+        layerwise_restore: a.layerwise,
         ..Default::default()
     };
     Engine::load(model, opts, Some(store(a, cache))).map_err(|e| e.to_string())

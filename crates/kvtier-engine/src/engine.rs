@@ -48,10 +48,11 @@ pub struct EngineOptions {
     pub tenant_salt: Vec<u8>,
     /// Where tensors live.
     pub device: Device,
-    /// Restore a prefix layer by layer when the engine runs nothing else
-    /// ([`crate::layer_restore`]): the forward pass starts while later
-    /// layers are still being read. Off (or beside other sequences): the
-    /// whole prefix is read first and attached between steps.
+    /// Restore prefixes layer by layer ([`crate::layer_restore`]): each
+    /// layer is decoded into its G1 page on the store's threads as it
+    /// lands. When the engine runs nothing else, the forward pass starts
+    /// while later layers are still being read. Off: whole blocks are read,
+    /// then copied into G1 between steps.
     pub layerwise_restore: bool,
 }
 

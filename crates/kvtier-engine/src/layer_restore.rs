@@ -5,6 +5,12 @@
 //! layers after it are still being read. TTFT then tends to the larger of
 //! the restore and the suffix's compute instead of their sum.
 //!
+//! Only a sequence begun while the engine ran nothing else joins a step
+//! before its read is done. Beside other sequences the layers still land
+//! in the pages on the store's threads, and the sequence is attached once
+//! the read is done and checked. The scheduler's thread then copies
+//! nothing, and no decode waits on the disk.
+//!
 //! What lands is not verified yet (the store verifies each block once all
 //! of it is in: `kvtier_store::LayerSink`). Nothing computed from it is
 //! served before that: the step that used it checks the read's result
@@ -75,6 +81,14 @@ impl RestoreSink {
         st.done = true;
         st.done_at = Some(Instant::now());
         self.changed.notify_all();
+    }
+
+    /// Waits until the store's read is done.
+    pub(crate) fn wait_done(&self) {
+        let mut st = self.landed.lock();
+        while !st.done {
+            self.changed.wait(&mut st);
+        }
     }
 
     /// When the read was done, if it is.

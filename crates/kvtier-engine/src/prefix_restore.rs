@@ -56,6 +56,9 @@ pub(crate) struct Begun {
     /// A layer-wise read's destination, with the pages it fills, one per
     /// key ([`crate::layer_restore`]).
     layered: Option<Arc<RestoreSink>>,
+    /// The forward pass may start before that read is done: the sequence
+    /// was the engine's only one when it began.
+    gated: bool,
 }
 
 impl Begun {
@@ -167,6 +170,7 @@ impl Engine {
             read_seconds: 0.0,
             attached: Attached::default(),
             layered: None,
+            gated: false,
         };
         let read_done = begun.read_done.clone();
         let mut notify: Option<Box<dyn FnOnce() + Send>> = Some(Box::new(move || {
@@ -254,6 +258,7 @@ impl Engine {
                 rest.push(k);
             }
             let sink = self.layer_sink(id, rest.len());
+            begun.gated = sink.is_some() && self.seqs.len() == 1;
             let Some(store) = &self.store else {
                 return Ok(());
             };
@@ -347,12 +352,14 @@ impl Engine {
 
     /// True once [`attach`](Self::attach) can take `id` without waiting
     /// for all of its store read: a layer-wise restore ([`crate::layer_restore`])
-    /// whose store knows which blocks it will hand over. Its forward pass
-    /// then waits for each layer as it goes.
+    /// begun while `id` was the engine's only sequence, whose store knows
+    /// which blocks it will hand over. Its forward pass then waits for each
+    /// layer as it goes.
     pub fn restore_started(&self, id: SeqId) -> bool {
         self.seqs
             .get(&id)
             .and_then(|s| s.prefill.as_ref())
+            .filter(|b| b.gated)
             .and_then(|b| b.layered.as_ref())
             .is_some_and(|sink| sink.planned().is_some())
     }
@@ -365,11 +372,14 @@ impl Engine {
     }
 
     /// Pages for a layer-wise read of `n` blocks after `id`'s table, when
-    /// it is the engine's only sequence (a forward pass that waits on the
-    /// store must not hold up anyone's decode) and the pool has them;
-    /// `None` reads the whole prefix first instead.
+    /// the pool has them; `None` reads whole blocks, copied into G1 by
+    /// [`attach`](Self::attach), instead. The store's threads decode each
+    /// layer into these pages as it lands, so attaching them copies nothing
+    /// on the scheduler's thread. Only a sequence begun alone (`gated`)
+    /// joins a step before its read is done: a forward pass that waits on
+    /// the store must not hold up anyone's decode.
     fn layer_sink(&mut self, id: SeqId, n: usize) -> Option<Arc<RestoreSink>> {
-        if !self.opts.layerwise_restore || self.seqs.len() != 1 || n == 0 {
+        if !self.opts.layerwise_restore || n == 0 {
             return None;
         }
         let mut last = self.seqs.get(&id)?.table.last().copied();
@@ -412,13 +422,16 @@ impl Engine {
                 "sequence {id} has no layer-wise read"
             )));
         };
+        if !begun.gated {
+            sink.wait_done();
+        }
         let mut tiers = sink.wait_planned();
         tiers.truncate(begun.keys.len());
         let n = tiers.len();
         let first = seq.table.len();
         let mut attached = Attached {
             cached: begun.cached,
-            layer_wise: true,
+            layer_wise: begun.gated,
             ..Attached::default()
         };
         for (i, tier) in tiers.iter().enumerate() {
@@ -457,6 +470,13 @@ impl Engine {
         attached.to_compute = seq.tokens.len() - seq.computed;
         attached.restore_seconds = begun.started.elapsed().as_secs_f64();
         seq.attached = Some(attached);
+        if !begun.gated {
+            // The read is done: checked before anything is computed on it.
+            self.settle_layered(id);
+            return self
+                .attached(id)
+                .ok_or_else(|| EngineError::Request(format!("unknown sequence {id}")));
+        }
         Ok(attached)
     }
 
