@@ -1,7 +1,7 @@
 //! Layer-wise restore: a restored prefix's layers are decoded into its G1
 //! pages as they land, on the store's threads, and the forward pass that
 //! computes the rest of the prompt waits at each layer only for that
-//! layer ([`RestoreSink::wait_layer`]), so layer `l`'s attention runs while
+//! layer (`RestoreSink::wait_layer`), so layer `l`'s attention runs while
 //! layers after it are still being read. TTFT then tends to the larger of
 //! the restore and the suffix's compute instead of their sum.
 //!

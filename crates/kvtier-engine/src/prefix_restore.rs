@@ -7,6 +7,13 @@
 //! at a time between the scheduler's steps. The rest of the prompt is computed by
 //! [`Engine::step`].
 //!
+//! By default ([`crate::EngineOptions::layerwise_restore`]) the read is
+//! layer-wise instead ([`crate::layer_restore`]): its layers are decoded
+//! into pages taken at `begin`, on the store's threads, so `attach` only
+//! puts those pages in the table. A sequence begun alone is attached as
+//! soon as the store knows what it will hand over, and its first step
+//! waits at each layer for that layer.
+//!
 //! Reuse is token-granular: of a prompt of `n` tokens, everything but the
 //! last token (whose logits must be computed) can come from cache.
 //!

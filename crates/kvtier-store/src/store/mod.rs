@@ -19,7 +19,7 @@
 //!   hands back a [`Handle`]. `get_many` reads any set of keys the same way.
 //!   G3 and G4 hits are promoted into G2. `read_prefix_layered` also
 //!   hands each block's layers to a [`LayerSink`] as they land, G3 read
-//!   layer-major across the prefix ([`layer_reads`]), for an engine that
+//!   layer-major across the prefix (`layer_reads`), for an engine that
 //!   computes layer by layer while the rest is read.
 //! * With G4 ([`StoreConfig::remote`]), blocks put are also written through
 //!   to the shared pool by a second background writer ([`write_through`],
