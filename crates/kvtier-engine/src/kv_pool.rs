@@ -31,13 +31,8 @@ pub type PageId = u32;
 /// The G1 page pool.
 #[derive(Debug)]
 pub struct KvPool {
-    k: Vec<Tensor>,
-    v: Vec<Tensor>,
-    pages: usize,
-    kv_heads: usize,
-    block_tokens: usize,
-    head_dim: usize,
-    device: Device,
+    /// The K/V memory and its shape.
+    mem: PageWriter,
     free: BTreeSet<PageId>,
     refs: Vec<u32>,
 }
@@ -66,13 +61,15 @@ impl KvPool {
             }
         }
         Ok(Self {
-            k,
-            v,
-            pages,
-            kv_heads,
-            block_tokens,
-            head_dim,
-            device: device.clone(),
+            mem: PageWriter {
+                k,
+                v,
+                pages,
+                kv_heads,
+                block_tokens,
+                head_dim,
+                device: device.clone(),
+            },
             free: (0..pages as PageId).collect(),
             refs: vec![0; pages],
         })
@@ -80,12 +77,12 @@ impl KvPool {
 
     /// Tokens per page.
     pub fn block_tokens(&self) -> usize {
-        self.block_tokens
+        self.mem.block_tokens
     }
 
     /// Pages in all.
     pub fn pages(&self) -> usize {
-        self.pages
+        self.mem.pages
     }
 
     /// Pages free now.
@@ -95,7 +92,7 @@ impl KvPool {
 
     /// Bytes of one page (= one store block payload).
     pub fn page_bytes(&self) -> usize {
-        2 * self.k.len() * self.kv_heads * self.block_tokens * self.head_dim * 4
+        2 * self.mem.k.len() * self.mem.kv_heads * self.mem.block_tokens * self.mem.head_dim * 4
     }
 
     /// Takes a free page (reference count 1): `after + 1` when that one is
@@ -140,7 +137,7 @@ impl KvPool {
     }
 
     fn row(&self, page: PageId, head: usize, offset: usize) -> usize {
-        row_index(self.pages, self.block_tokens, page, head, offset)
+        self.mem.row(page, head, offset)
     }
 
     /// Writes K and V of `t` tokens (each `(kv_heads, t, head_dim)`) for
@@ -155,7 +152,7 @@ impl KvPool {
         v: &Tensor,
     ) -> Result<(), EngineError> {
         let (_, t, _) = k.dims3()?;
-        let bt = self.block_tokens;
+        let bt = self.mem.block_tokens;
         let mut done = 0;
         while done < t {
             let pos = start + done;
@@ -168,12 +165,12 @@ impl KvPool {
                     table.len()
                 ))
             })?;
-            for h in 0..self.kv_heads {
+            for h in 0..self.mem.kv_heads {
                 let ks = k.get(h)?.narrow(0, done, len)?.contiguous()?;
                 let vs = v.get(h)?.narrow(0, done, len)?.contiguous()?;
                 let row = self.row(page, h, off);
-                self.k[layer].slice_set(&ks, 0, row)?;
-                self.v[layer].slice_set(&vs, 0, row)?;
+                self.mem.k[layer].slice_set(&ks, 0, row)?;
+                self.mem.v[layer].slice_set(&vs, 0, row)?;
             }
             done += len;
         }
@@ -190,9 +187,13 @@ impl KvPool {
     /// context, 17 pages, took about 45 ms per decode step on the
     /// reference VM).
     pub fn context(&self, layer: usize, pages: &[PageId], v: bool) -> candle_core::Result<Tensor> {
-        let t = if v { &self.v[layer] } else { &self.k[layer] };
-        let bt = self.block_tokens;
-        let all = t.reshape((self.kv_heads, self.pages * bt, self.head_dim))?;
+        let t = if v {
+            &self.mem.v[layer]
+        } else {
+            &self.mem.k[layer]
+        };
+        let bt = self.mem.block_tokens;
+        let all = t.reshape((self.mem.kv_heads, self.mem.pages * bt, self.mem.head_dim))?;
         let mut runs = Vec::new();
         let mut i = 0;
         while i < pages.len() {
@@ -223,10 +224,10 @@ impl KvPool {
     /// [token][head_dim]`, f32), payload stored by `codec`.
     pub fn store_layout(&self, codec: KvCodec) -> KvLayout {
         KvLayout {
-            layers: self.k.len() as u32,
-            kv_heads: self.kv_heads as u32,
-            head_dim: self.head_dim as u32,
-            block_tokens: self.block_tokens as u32,
+            layers: self.mem.k.len() as u32,
+            kv_heads: self.mem.kv_heads as u32,
+            head_dim: self.mem.head_dim as u32,
+            block_tokens: self.mem.block_tokens as u32,
             dtype: KvDtype::F32,
             codec,
             arrangement: Arrangement::LayerMajor,
@@ -247,15 +248,15 @@ impl KvPool {
         out: &mut [u8],
     ) -> Result<(), EngineError> {
         let run = self.check_payload(layout, out.len())?;
-        let head_part = self.block_tokens * self.head_dim;
+        let head_part = self.mem.block_tokens * self.mem.head_dim;
         let mut at = 0u64;
-        for layer in 0..self.k.len() {
-            for (is_v, t) in [(false, &self.k[layer]), (true, &self.v[layer])] {
+        for layer in 0..self.mem.k.len() {
+            for (is_v, t) in [(false, &self.mem.k[layer]), (true, &self.mem.v[layer])] {
                 let (storage, tl) = t.storage_and_layout();
                 match (&*storage, tl.contiguous_offsets()) {
                     (Storage::Cpu(CpuStorage::F32(all)), Some((start, _))) => {
-                        for h in 0..self.kv_heads {
-                            let from = start + self.row(page, h, 0) * self.head_dim;
+                        for h in 0..self.mem.kv_heads {
+                            let from = start + self.row(page, h, 0) * self.mem.head_dim;
                             let src = all.get(from..from + head_part).ok_or_else(|| {
                                 EngineError::Request("page outside the pool".into())
                             })?;
@@ -270,7 +271,7 @@ impl KvPool {
                             .flatten_all()?
                             .to_vec1()?;
                         layout.encode_into(at, bytemuck::cast_slice(&vals), out)?;
-                        at += run * self.kv_heads as u64;
+                        at += run * self.mem.kv_heads as u64;
                     }
                 }
             }
@@ -305,21 +306,13 @@ impl KvPool {
     /// needs to decode restored layers into pages while the engine computes
     /// ([`crate::layer_restore`]).
     pub(crate) fn page_writer(&self) -> PageWriter {
-        PageWriter {
-            k: self.k.clone(),
-            v: self.v.clone(),
-            pages: self.pages,
-            kv_heads: self.kv_heads,
-            block_tokens: self.block_tokens,
-            head_dim: self.head_dim,
-            device: self.device.clone(),
-        }
+        self.mem.clone()
     }
 
     /// Element offset of token row `offset` of `page` for KV head `head` in
     /// a layer's K (or V) memory.
     pub(crate) fn row_elem(&self, page: PageId, head: usize, offset: usize) -> usize {
-        self.row(page, head, offset) * self.head_dim
+        self.row(page, head, offset) * self.mem.head_dim
     }
 
     /// Runs `f` over the K and V memory of `layer` (on the CPU; `None`
@@ -329,8 +322,8 @@ impl KvPool {
         layer: usize,
         f: impl FnOnce(&[f32], &[f32]) -> R,
     ) -> Option<R> {
-        let (kg, kl) = self.k.get(layer)?.storage_and_layout();
-        let (vg, vl) = self.v.get(layer)?.storage_and_layout();
+        let (kg, kl) = self.mem.k.get(layer)?.storage_and_layout();
+        let (vg, vl) = self.mem.v.get(layer)?.storage_and_layout();
         match (&*kg, &*vg) {
             (Storage::Cpu(CpuStorage::F32(k)), Storage::Cpu(CpuStorage::F32(v))) => {
                 Some(f(&k[kl.start_offset()..], &v[vl.start_offset()..]))
@@ -350,26 +343,26 @@ impl KvPool {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), EngineError> {
-        let bt = self.block_tokens;
+        let bt = self.mem.block_tokens;
         let page = *table.get(pos / bt).ok_or_else(|| {
             EngineError::PoolExhausted(format!(
                 "no page for position {pos} (table has {})",
                 table.len()
             ))
         })?;
-        let want = self.kv_heads * self.head_dim;
-        if k.len() != want || v.len() != want || layer >= self.k.len() {
+        let want = self.mem.kv_heads * self.mem.head_dim;
+        if k.len() != want || v.len() != want || layer >= self.mem.k.len() {
             return Err(EngineError::Request(
                 "a token's K/V does not fit the pool".into(),
             ));
         }
-        let at: Vec<usize> = (0..self.kv_heads)
+        let at: Vec<usize> = (0..self.mem.kv_heads)
             .map(|h| self.row_elem(page, h, pos % bt))
             .collect();
-        for (t, data) in [(&self.k[layer], k), (&self.v[layer], v)] {
+        for (t, data) in [(&self.mem.k[layer], k), (&self.mem.v[layer], v)] {
             t.inplace_op1(&WriteRows {
                 at: &at,
-                width: self.head_dim,
+                width: self.mem.head_dim,
                 data,
             })?;
         }
@@ -381,23 +374,26 @@ impl KvPool {
     /// shares with a cached page without sharing the page (the rest of
     /// `dst` is then written by the prompt's own tokens).
     pub fn copy_rows(&self, src: PageId, dst: PageId, rows: usize) -> Result<(), EngineError> {
-        if rows > self.block_tokens || src as usize >= self.pages || dst as usize >= self.pages {
+        if rows > self.mem.block_tokens
+            || src as usize >= self.mem.pages
+            || dst as usize >= self.mem.pages
+        {
             return Err(EngineError::Request(format!(
                 "cannot copy {rows} rows from page {src} to page {dst} of {} pages of {} tokens",
-                self.pages, self.block_tokens
+                self.mem.pages, self.mem.block_tokens
             )));
         }
         if rows == 0 || src == dst {
             return Ok(());
         }
-        for t in self.k.iter().chain(&self.v) {
-            for h in 0..self.kv_heads {
+        for t in self.mem.k.iter().chain(&self.mem.v) {
+            for h in 0..self.mem.kv_heads {
                 let (from, to) = (self.row(src, h, 0), self.row(dst, h, 0));
-                if self.device.is_cpu() {
+                if self.mem.device.is_cpu() {
                     t.inplace_op1(&CopyRows {
-                        from: from * self.head_dim,
-                        to: to * self.head_dim,
-                        len: rows * self.head_dim,
+                        from: from * self.mem.head_dim,
+                        to: to * self.mem.head_dim,
+                        len: rows * self.mem.head_dim,
                     })?;
                 } else {
                     let part = t.narrow(0, from, rows)?.contiguous()?;
@@ -426,18 +422,13 @@ impl KvPool {
                 layout.stored_payload_bytes()
             )));
         }
-        Ok((self.block_tokens * self.head_dim * 4) as u64)
+        Ok((self.mem.block_tokens * self.mem.head_dim * 4) as u64)
     }
 }
 
-/// Row of token `offset` of `page` for KV head `head` in a layer's K (or
-/// V) tensor of a pool of `pages` pages (see the module docs).
-fn row_index(pages: usize, block_tokens: usize, page: PageId, head: usize, offset: usize) -> usize {
-    (head * pages + page as usize) * block_tokens + offset
-}
-
-/// A handle on the pool's K/V memory (the same tensors, shared), to fill
-/// restored pages from another thread: see [`KvPool::page_writer`].
+/// The pool's K/V memory and its shape: owned by the [`KvPool`], and as a
+/// clone (the same tensors, shared) a handle to fill restored pages from
+/// another thread ([`KvPool::page_writer`]).
 #[derive(Debug, Clone)]
 pub(crate) struct PageWriter {
     k: Vec<Tensor>,
@@ -450,6 +441,12 @@ pub(crate) struct PageWriter {
 }
 
 impl PageWriter {
+    /// Row of token `offset` of `page` for KV head `head` in a layer's K
+    /// (or V) tensor (see the module docs).
+    fn row(&self, page: PageId, head: usize, offset: usize) -> usize {
+        (head * self.pages + page as usize) * self.block_tokens + offset
+    }
+
     /// Fills layers `layers` of `page` from `stored`, those layers' stored
     /// bytes of a block of `layout` (one of the pool's store layouts; one
     /// layer's bytes are a one-layer block's payload), each head of each
@@ -484,7 +481,7 @@ impl PageWriter {
             let mut at = 0u64;
             for t in [&self.k[layer], &self.v[layer]] {
                 for h in 0..self.kv_heads {
-                    let row = row_index(self.pages, self.block_tokens, page, h, 0);
+                    let row = self.row(page, h, 0);
                     if self.device.is_cpu() {
                         t.inplace_op1(&WritePage {
                             offset: row * self.head_dim,

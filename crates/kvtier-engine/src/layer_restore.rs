@@ -41,6 +41,17 @@ struct Landed {
     done_at: Option<Instant>,
 }
 
+impl Landed {
+    /// The plan, once known: empty when the read ended without one.
+    fn plan(&self) -> Option<Vec<Tier>> {
+        match (&self.planned, self.done) {
+            (Some(p), _) => Some(p.clone()),
+            (None, true) => Some(Vec::new()),
+            (None, false) => None,
+        }
+    }
+}
+
 /// Receives a restore's layers from the store into G1 pages (one per key
 /// asked for) and lets the forward pass wait for each layer.
 #[derive(Debug)]
@@ -99,23 +110,17 @@ impl RestoreSink {
     /// The tiers of the leading run the store will hand over, once known
     /// (empty when the read ended without saying).
     pub(crate) fn planned(&self) -> Option<Vec<Tier>> {
-        let st = self.landed.lock();
-        match (&st.planned, st.done) {
-            (Some(p), _) => Some(p.clone()),
-            (None, true) => Some(Vec::new()),
-            (None, false) => None,
-        }
+        self.landed.lock().plan()
     }
 
     /// Waits for [`planned`](Self::planned).
     pub(crate) fn wait_planned(&self) -> Vec<Tier> {
         let mut st = self.landed.lock();
         loop {
-            match (&st.planned, st.done) {
-                (Some(p), _) => return p.clone(),
-                (None, true) => return Vec::new(),
-                (None, false) => self.changed.wait(&mut st),
+            if let Some(plan) = st.plan() {
+                return plan;
             }
+            self.changed.wait(&mut st);
         }
     }
 

@@ -1,6 +1,13 @@
 //! Restored prefixes give the same logits as recompute: from G1, G2, G3, and
 //! from G3 reopened in a new process; greedy output is identical with reuse on
 //! and off; other models and tenants never hit.
+//!
+//! Layer-wise restore: a prefix restored layer by layer (the forward pass
+//! waiting at each layer for that layer's pages) gives logits equal, bit
+//! for bit, to the same prefix restored whole first, with every codec, for
+//! a one-token suffix (the decode path) and a long one (the general path);
+//! a block that fails its check after its layers were used is cut, and the
+//! answer equals recompute.
 
 // Test helpers outside #[test] fns may unwrap: a failure there is a test failure.
 #![allow(clippy::unwrap_used)]
@@ -8,6 +15,8 @@ use std::path::Path;
 
 use kvtier_engine::sampling::argmax;
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
+use kvtier_store::KvCodec;
+use kvtier_store::block::HEADER_BYTES;
 
 const BT: usize = 16;
 
@@ -26,8 +35,12 @@ fn opts(reuse: bool) -> EngineOptions {
 }
 
 fn store_opts(cache: &Path) -> StoreOptions {
+    store_opts_coded(cache, KvCodec::None)
+}
+
+fn store_opts_coded(cache: &Path, codec: KvCodec) -> StoreOptions {
     StoreOptions {
-        codec: kvtier_store::KvCodec::None,
+        codec,
         memory_bytes: 64 << 20,
         disk_dirs: vec![cache.to_path_buf()],
         disk_bytes: 64 << 20,
@@ -252,4 +265,136 @@ fn other_models_and_tenants_never_hit() {
         0,
         "another tenant must not hit"
     );
+}
+
+/// Empties G1 and G2: what the store holds is then on disk only.
+fn on_disk_only(e: &mut Engine) {
+    e.evict_g1();
+    e.store().unwrap().evict_memory().unwrap();
+}
+
+/// Prefills `p` (the store gets its blocks) and ends it.
+fn prefill_and_store(e: &mut Engine, p: &[u32]) -> kvtier_engine::Prefill {
+    let out = e.prefill(p).unwrap();
+    e.finish(out.seq);
+    e.flush_offload().unwrap();
+    out
+}
+
+/// Restores `p`'s prefix from G3 (G1 and G2 emptied first), layer-wise or
+/// not; the logits and what the restore reported.
+fn restore_from_g3(
+    e: &mut Engine,
+    p: &[u32],
+    layer_wise: bool,
+) -> (Vec<f32>, kvtier_engine::Prefill) {
+    on_disk_only(e);
+    e.set_layerwise_restore(layer_wise);
+    let out = prefill_and_store(e, p);
+    (out.logits.clone(), out)
+}
+
+#[test]
+fn layer_wise_logits_equal_a_whole_prefix_restore_with_every_codec() {
+    let m = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, 3, m.path()).unwrap();
+    let base = prompt(64, 1);
+    for codec in [
+        KvCodec::None,
+        KvCodec::Bf16,
+        KvCodec::Fp8E4m3,
+        KvCodec::Int8,
+    ] {
+        let cache = tempfile::tempdir().unwrap();
+        let mut e = Engine::load(
+            m.path(),
+            opts(true),
+            Some(store_opts_coded(cache.path(), codec)),
+        )
+        .unwrap();
+        prefill_and_store(&mut e, &base);
+        // A one-token suffix (the whole prompt but its last token is
+        // cached), and a 40-token one computed as a chunk.
+        let mut long = base.clone();
+        long.extend(prompt(40, 9));
+        for p in [base.clone(), long] {
+            // Once so that the store holds all of `p` but its last token.
+            restore_from_g3(&mut e, &p, false);
+            let (whole, w) = restore_from_g3(&mut e, &p, false);
+            let (layered, l) = restore_from_g3(&mut e, &p, true);
+            assert_eq!(l.cached.g3, w.cached.g3, "{codec:?}: same blocks restored");
+            assert_eq!(l.cached.g3, p.len() - 1, "{codec:?}: restored from G3");
+            assert_eq!(l.restored_bytes, w.restored_bytes);
+            assert_eq!(
+                whole,
+                layered,
+                "{codec:?}, {} tokens: logits bit for bit",
+                p.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn the_layered_path_is_taken_and_reported_only_when_the_engine_is_idle() {
+    let m = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, 4, m.path()).unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mut e = Engine::load(m.path(), opts(true), Some(store_opts(cache.path()))).unwrap();
+    let p = prompt(50, 2);
+    prefill_and_store(&mut e, &p);
+    on_disk_only(&mut e);
+    let id = e.begin(&p, || {}).unwrap();
+    let a = e.attach(id).unwrap();
+    assert!(a.layer_wise, "alone: layer by layer");
+    assert_eq!(a.cached.g3, 49, "3 blocks and the 1-token tail");
+    e.finish(id);
+    // Beside another sequence the forward pass does not start before the
+    // read is done.
+    on_disk_only(&mut e);
+    let other = e.begin(&prompt(20, 7), || {}).unwrap();
+    let id = e.begin(&p, || {}).unwrap();
+    let a = e.attach(id).unwrap();
+    assert!(!a.layer_wise, "beside another sequence: whole blocks");
+    assert_eq!(a.cached.g3, 49, "3 blocks and the 1-token tail");
+    e.finish(id);
+    e.finish(other);
+    // Finishing a sequence whose layer-wise read is in flight frees its
+    // pages once the read is done.
+    on_disk_only(&mut e);
+    let free = e.free_pages();
+    let id = e.begin(&p, || {}).unwrap();
+    e.finish(id);
+    e.evict_g1();
+    assert_eq!(e.free_pages(), free, "no page lost");
+}
+
+#[test]
+fn a_block_failing_its_check_after_its_layers_were_used_is_recomputed() {
+    let m = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, 5, m.path()).unwrap();
+    let p = prompt(70, 3);
+    let want = recompute_logits(m.path(), &p);
+    let cache = tempfile::tempdir().unwrap();
+    let mut e = Engine::load(m.path(), opts(true), Some(store_opts(cache.path()))).unwrap();
+    prefill_and_store(&mut e, &p);
+    on_disk_only(&mut e);
+    let store = e.store().unwrap().clone();
+    let keys = e.block_keys(&p);
+    let (path, off) = store.disk().unwrap().locate_key(&keys[2]).unwrap();
+    let at = off + HEADER_BYTES as u64 + 64;
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at as usize] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+
+    let out = e.prefill(&p).unwrap();
+    assert_eq!(
+        out.cached.g3,
+        2 * BT,
+        "blocks 0 and 1; block 2 failed its check"
+    );
+    assert_eq!(out.computed_tokens, p.len() - 2 * BT);
+    let diff = max_diff(&out.logits, &want);
+    assert!(diff <= 1e-4, "answer equals recompute (max diff {diff})");
+    assert_eq!(store.metrics().g3.corrupt_blocks.get(), 1);
 }

@@ -119,6 +119,17 @@ fn assert_every_layer_once(ks: &[kvtier_store::BlockKey], n: usize, sink: &Recor
     );
 }
 
+/// Blocks `from..` were each handed over in one piece, all four layers.
+fn assert_whole_from(sink: &Recorder, from: usize, why: &str) {
+    let got = sink.got.lock().unwrap();
+    assert!(
+        got.iter()
+            .filter(|(i, _, _)| *i >= from)
+            .all(|(_, l, _)| *l == (0..4)),
+        "{why}"
+    );
+}
+
 fn put(store: &TieredStore, ks: &[kvtier_store::BlockKey]) {
     let len = layout().payload_bytes() as usize;
     let blocks: Vec<_> = ks.iter().map(|k| (*k, payload_for(k, len))).collect();
@@ -165,13 +176,7 @@ fn g2_hits_are_handed_over_whole_and_many_reads_in_flight_lose_nothing() {
     let want = [vec![Tier::G3; 5], vec![Tier::G2; 3]].concat();
     assert_eq!(*sink.planned.lock().unwrap(), vec![want]);
     assert_every_layer_once(&ks, 8, &sink);
-    let got = sink.got.lock().unwrap();
-    assert!(
-        got.iter()
-            .filter(|(i, _, _)| *i >= 5)
-            .all(|(_, l, _)| *l == (0..4)),
-        "a G2 block is handed over whole"
-    );
+    assert_whole_from(&sink, 5, "a G2 block is handed over whole");
 }
 
 #[test]
@@ -213,15 +218,7 @@ fn g4_blocks_come_whole_after_g3_ones_and_without_a_g4_read_the_plan_comes_first
     let want = [vec![Tier::G3; 3], vec![Tier::G4; 3]].concat();
     assert_eq!(*sink.planned.lock().unwrap(), vec![want]);
     assert_every_layer_once(&ks, 6, &sink);
-    assert!(
-        sink.got
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(i, _, _)| *i >= 3)
-            .all(|(_, l, _)| *l == (0..4)),
-        "a G4 block is handed over whole"
-    );
+    assert_whole_from(&sink, 3, "a G4 block is handed over whole");
     // All of it local now (G2 evicted to G3): no GET, so the plan is
     // known before the first layer lands.
     b.evict_memory().unwrap();

@@ -114,22 +114,6 @@ impl TieredStore {
         sink: std::sync::Arc<dyn LayerSink>,
         notify: impl FnOnce() + Send + 'static,
     ) -> Handle<Vec<StoredBlock>> {
-        let (handle, completer) = crate::handle::pair(Box::new(notify));
-        let store = self.clone();
-        let job = Box::new(move || {
-            if !completer.is_cancelled() {
-                let blocks = store
-                    .fetch_to(&keys, true, Some(&*sink))
-                    .into_iter()
-                    .map_while(super::Found::into_hit)
-                    .collect();
-                completer.complete(blocks);
-            }
-        });
-        if let Err(job) = self.inner.readers.submit(job) {
-            // No reader thread: run it here rather than lose it.
-            job();
-        }
-        handle
+        self.read_prefix_on_readers(keys, Some(sink), notify)
     }
 }

@@ -679,11 +679,26 @@ impl TieredStore {
         keys: Vec<BlockKey>,
         notify: impl FnOnce() + Send + 'static,
     ) -> Handle<Vec<StoredBlock>> {
+        self.read_prefix_on_readers(keys, None, notify)
+    }
+
+    /// The leading run of `keys` read on the store's reader threads,
+    /// handing each block's layers to `sink` when given (`layer_reads`).
+    pub(super) fn read_prefix_on_readers(
+        &self,
+        keys: Vec<BlockKey>,
+        sink: Option<Arc<dyn LayerSink>>,
+        notify: impl FnOnce() + Send + 'static,
+    ) -> Handle<Vec<StoredBlock>> {
         let (handle, completer) = crate::handle::pair(Box::new(notify));
         let store = self.clone();
         let job = Box::new(move || {
             if !completer.is_cancelled() {
-                let blocks = store.read_prefix(&keys);
+                let blocks = store
+                    .fetch_to(&keys, true, sink.as_deref())
+                    .into_iter()
+                    .map_while(Found::into_hit)
+                    .collect();
                 completer.complete(blocks);
             }
         });
