@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import threading
@@ -52,7 +53,10 @@ class KvtierServer:
 
     def __init__(self, model: Path, cache: Path, log: Path, extra: list[str] | None = None) -> None:
         self.log = log
-        args = [kvtier_bin(), "serve", "--model", str(model), "--port", "0", "--cache-dir", str(cache), *(extra or [])]
+        args = [kvtier_bin(), "serve", "--model", str(model), "--port", "0", "--cache-dir", str(cache)]
+        # $KVTIER_SERVE_ARGS: flags added to every server, e.g. `--device
+        # cuda:0` to run these checks on a GPU build.
+        args += [*shlex.split(os.environ.get("KVTIER_SERVE_ARGS", "")), *(extra or [])]
         self._stderr = open(log, "ab")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr)
         lines: queue.Queue[str | None] = queue.Queue()

@@ -63,8 +63,13 @@ Decisions (where vLLM leaves a choice):
   steps. Per-layer checksums (a block format version 3) would allow it.
 - **Memory.** The CPU backend's per-layer tensors ``[num_blocks,
   num_kv_heads, block_size, 2 * head_size]`` are read and written in place
-  (``Layout.vllm_cpu``). KV caches on an accelerator are staged through a
-  pinned host buffer per transfer (:class:`_Staging`).
+  (``Layout.vllm_cpu``). KV caches on an accelerator (or strided ones) are
+  staged through a pinned host buffer per transfer
+  (:class:`kvtier.staging.PageStaging`), and pages of backends that put K
+  and V side by side per token (FlashAttention, Triton, FlexAttention) are
+  converted to the CPU backend's form on the device on the way: every
+  backend stores the same bytes, so GPU and CPU workers of one model share
+  KV. A backend whose page form kvtier does not know is refused at start.
 - **Tensor parallelism.** Each rank keeps its own shard (the layout carries
   rank and world); the scheduler looks up rank 0's shard, and a rank that
   lacks a block reports it as a load error, so vLLM recomputes it.
@@ -95,6 +100,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
+from .staging import KV_PER_BLOCK, VLLM_BACKENDS, PageStaging
 from .store import Layout, Namespace, Store, Transfer
 
 if TYPE_CHECKING:
@@ -253,6 +259,29 @@ def connector_namespace(vllm_config: VllmConfig, rank: int = 0) -> Namespace:
     return _store(extra).namespace(layout, fingerprint=fingerprint, name=extra.get("namespace"))
 
 
+def _page_arrangement(vllm_config: VllmConfig, layer: str, t: torch.Tensor) -> str:
+    """How the attention backend of ``layer`` arranges K and V in a page
+    (:mod:`kvtier.staging`), from the backend vLLM chose for it. A backend
+    kvtier does not know is refused: guessing could serve wrong KV. Where
+    vLLM does not say (no attention layer registered under that name), a
+    CPU tensor is taken to be the CPU backend's, the only one vLLM runs on
+    the CPU."""
+    ctx = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    backend = getattr(ctx.get(layer), "attn_backend", None)
+    if backend is None:
+        if t.device.type == "cpu":
+            return KV_PER_BLOCK
+        raise ValueError(f"kvtier: cannot tell which attention backend layer {layer} on {t.device} uses")
+    name = str(backend.get_name())
+    arrangement = VLLM_BACKENDS.get(name)
+    if arrangement is None:
+        raise ValueError(
+            f"kvtier: vLLM's {name} attention backend keeps KV in a page form kvtier does not know; "
+            f"choose one of {', '.join(sorted(VLLM_BACKENDS))} (--attention-backend)"
+        )
+    return arrangement
+
+
 def request_salt(cache_salt: str | None, lora_name: str | None) -> bytes:
     """The key salt of a request: its ``cache_salt`` and LoRA adapter
     (empty for neither, so such requests share keys)."""
@@ -266,40 +295,6 @@ def _salt(request: Request) -> bytes:
     return request_salt(getattr(request, "cache_salt", None), lora.lora_name if lora else None)
 
 
-class _Staging:
-    """Host pages for KV caches that are not in host memory (an
-    accelerator's): per transfer a pinned buffer of ``[blocks, layers,
-    page]``, copied to or from the device tensors with torch."""
-
-    def __init__(self, layers: list[torch.Tensor], layout: Layout) -> None:
-        self.layers = layers
-        self.page_elems = layout.layer_bytes // layers[0].element_size()
-
-    def buffer(self, blocks: int) -> torch.Tensor:
-        t = self.layers[0]
-        return torch.empty(
-            (len(self.layers), blocks, self.page_elems), dtype=t.dtype, pin_memory=torch.cuda.is_available()
-        )
-
-    @staticmethod
-    def pieces(host: torch.Tensor) -> list[list[torch.Tensor]]:
-        """Per block, its pieces in a host buffer: ``host[l, i]`` for each
-        layer ``l`` (the layout's regions, in order)."""
-        return [[host[l, i] for l in range(host.shape[0])] for i in range(host.shape[1])]
-
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        host = self.buffer(len(block_ids))
-        idx = torch.tensor(block_ids, device=self.layers[0].device)
-        for l, t in enumerate(self.layers):
-            host[l].copy_(t.reshape(t.shape[0], -1).index_select(0, idx))
-        return host
-
-    def scatter(self, host: torch.Tensor, block_ids: list[int]) -> None:
-        idx = torch.tensor(block_ids, device=self.layers[0].device)
-        for l, t in enumerate(self.layers):
-            t.view(t.shape[0], -1).index_copy_(0, idx, host[l].to(t.device, non_blocking=True))
-
-
 @dataclass
 class _Running:
     """A transfer in flight on the worker side."""
@@ -307,7 +302,7 @@ class _Running:
     job: _Job
     transfer: Transfer
     started: float
-    #: Host pages of a staged (accelerator) transfer.
+    #: Host pages of a staged transfer.
     host: torch.Tensor | None = None
 
 
@@ -443,7 +438,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._ns: Namespace | None = None
         self._server: _LookupServer | None = None
         self._layers: list[torch.Tensor] = []
-        self._staging: _Staging | None = None
+        self._staging: PageStaging | None = None
         self._loads: dict[str, _Running] = {}
         self._saves: dict[str, _Running] = {}
         self._finished_seen: set[str] = set()
@@ -554,15 +549,16 @@ class KvtierConnector(KVConnectorBase_V1):
             raise ValueError(f"kvtier: {len(layers)} KV cache tensors for a {layout.layers}-layer model")
         shape = (layout.kv_heads, layout.block_tokens, 2 * layout.head_dim)
         for n, t in zip(names, layers):
-            if tuple(t.shape[1:]) != shape or _DTYPES.get(t.dtype) != layout.dtype or not t.is_contiguous():
+            if tuple(t.shape[1:]) != shape or _DTYPES.get(t.dtype) != layout.dtype:
                 raise ValueError(
                     f"kvtier: layer {n} has a {t.dtype} KV cache of shape {tuple(t.shape)}; kvtier takes "
-                    f"contiguous [num_blocks, {shape[0]}, {shape[1]}, {shape[2]}] {layout.dtype} "
-                    "(vLLM's CPU attention layout)"
+                    f"[num_blocks, {shape[0]}, {shape[1]}, {shape[2]}] {layout.dtype}"
                 )
+        arrangement = _page_arrangement(self._vllm_config, names[0], layers[0])
         self._layers = layers
-        if layers[0].device.type != "cpu":
-            self._staging = _Staging(layers, layout)
+        in_place = arrangement == KV_PER_BLOCK and all(t.device.type == "cpu" and t.is_contiguous() for t in layers)
+        if not in_place:
+            self._staging = PageStaging(layers, arrangement)
         self._flusher = _Flusher(self._ns)
         if rank == 0:
             self._server = _LookupServer(self._vllm_config, self._ns)
@@ -573,7 +569,7 @@ class KvtierConnector(KVConnectorBase_V1):
             _store(_extra(self._vllm_config)).cache_dir,
             len(layers),
             layers[0].shape[0],
-            "in place" if self._staging is None else f"staged from {layers[0].device}",
+            "in place" if self._staging is None else f"staged from {layers[0].device} ({arrangement})",
         )
 
     def _start(self, job: _Job, save: bool) -> _Running:
@@ -589,7 +585,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 t = self._ns.load_pages(keys, self._layers, job.block_ids)
             return _Running(job, t, now)
         host = self._staging.gather(job.block_ids) if save else self._staging.buffer(len(job.block_ids))
-        pieces = _Staging.pieces(host)
+        pieces = PageStaging.pieces(host)
         t = self._ns.save(keys, pieces) if save else self._ns.load(keys, pieces)
         return _Running(job, t, now, host)
 

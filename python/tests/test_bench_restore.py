@@ -34,3 +34,26 @@ def test_restore_bench_reports_both_sides_in_one_run(tmp_path: Path) -> None:
     assert report["slot_bytes"] <= 1 << 20
     # Only the bench's own directories were made, and removed.
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_restore_bench_checks_every_block_both_ways(tmp_path: Path) -> None:
+    """``python -m kvtier.bench gpu-restore`` on the CPU (the same code a
+    GPU runs, the device being host memory): both sides restore every
+    block, checked equal to its source, and the JSON contract holds."""
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "kvtier.bench", "gpu-restore", "--device", "cpu",
+            "--total-bytes", str(8 << 20), "--layers", "4", "--repeat", "2",
+            "--dir", str(tmp_path), "--json",
+        ],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["identical"] is True, report
+    assert report["kvtier_gbps"] > 0 and report["safetensors_gbps"] > 0 and report["h2d_gbps"] > 0, report
+    assert report["ratio"] == report["kvtier_gbps"] / report["safetensors_gbps"]
+    assert all(len(v) == 2 for v in report["samples_gbps"].values()), report
+    # 4 layers of 8 heads x 16 tokens x 256 bf16 values: 64 KiB a page.
+    assert report["blocks"] == (8 << 20) // (4 * 64 << 10) and report["device"] == "cpu"
+    assert list(tmp_path.iterdir()) == []

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use kvtier_energy::{CostModel, MeterOptions};
 use kvtier_engine::scheduler::BatchConfig;
 use kvtier_engine::tokenizer::TextTokenizer;
-use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
+use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, open_device, write_preset};
 use kvtier_io::IoEngine;
 
 use crate::bench_dir;
@@ -81,6 +81,9 @@ pub struct MainJobOptions {
     /// Restore an idle engine's prefixes layer by layer
     /// (`EngineOptions::layerwise_restore`; off: `--no-layerwise-restore`).
     pub layerwise_restore: bool,
+    /// Where the in-process engine runs: `cpu`, or `cuda` / `cuda:N` in a
+    /// build with the `cuda` feature.
+    pub device: String,
     /// G2 capacity.
     pub g2_bytes: u64,
     /// G3 capacity.
@@ -113,6 +116,7 @@ impl Default for MainJobOptions {
             block_tokens: 256,
             kv_offload_codec: kvtier_store::KvCodec::None,
             layerwise_restore: true,
+            device: "cpu".into(),
             g2_bytes: 1 << 30,
             g3_bytes: 8 << 30,
             max_batch: 16,
@@ -267,6 +271,7 @@ fn in_process(opts: &MainJobOptions) -> Result<InProcess> {
         max_seq_tokens: max_seq.max(2048),
         prefix_reuse: true,
         layerwise_restore: opts.layerwise_restore,
+        device: open_device(&opts.device).step("opening the device")?,
         ..Default::default()
     };
     let store = StoreOptions {
@@ -284,7 +289,11 @@ fn in_process(opts: &MainJobOptions) -> Result<InProcess> {
         max_batch: opts.max_batch.max(1),
         ..BatchConfig::default()
     };
-    let description = format!("in-process engine, model {}", model_dir.display());
+    let description = format!(
+        "in-process engine on {}, model {}",
+        opts.device,
+        model_dir.display()
+    );
 
     Ok(InProcess::new(engine, tokenizer, batch, description))
 }

@@ -39,6 +39,10 @@ pub struct ModelLoadOptions {
     pub staging_buffers: usize,
     /// How to read.
     pub loader: LoaderConfig,
+    /// After the timed load, read back every tensor from where it landed
+    /// and compare it with the file's bytes (plain reads); a difference
+    /// fails the command.
+    pub verify: bool,
     /// Show a progress bar on stderr.
     pub progress: bool,
 }
@@ -51,6 +55,7 @@ impl ModelLoadOptions {
             device: "cpu".into(),
             staging_buffers: kvtier_io::loader::staged::DEFAULT_RING,
             loader: LoaderConfig::default(),
+            verify: false,
             progress: true,
         }
     }
@@ -88,6 +93,9 @@ pub struct LoadReport {
     /// Most host-to-device copies queued at once while reads ran (GPU
     /// loads only).
     pub max_queued_copies: Option<usize>,
+    /// With `--verify`: every tensor's bytes, read back from where they
+    /// landed, equal the file's (a difference is an error, so `true`).
+    pub verified: Option<bool>,
 }
 
 /// What one load did, whichever the destination.
@@ -99,8 +107,17 @@ struct Loaded {
 }
 
 /// Loads into host memory: reads land in place.
-fn load_host(dir: &Path, cfg: &LoaderConfig) -> Result<Loaded> {
+fn load_host(dir: &Path, cfg: &LoaderConfig, verify: bool) -> Result<Loaded> {
     let (shards, stats) = load_model_dir(dir, cfg).map_err(BenchError::other)?;
+    if verify {
+        for shard in &shards {
+            let file = read_file(shard.path())?;
+            for (view, info) in shard.tensors().zip(&shard.header().tensors) {
+                let start = shard.header().data_start() + info.data_offsets.0;
+                check_same(shard.path(), &file, start, view.data)?;
+            }
+        }
+    }
     Ok(Loaded {
         stats,
         tensors: shards.iter().map(|s| s.len()).sum(),
@@ -112,14 +129,29 @@ fn load_host(dir: &Path, cfg: &LoaderConfig) -> Result<Loaded> {
 /// Loads into the memory of GPU `device` through `ring` pinned staging
 /// buffers, on the stream candle would use for it.
 #[cfg(feature = "cuda")]
-fn load_gpu(dir: &Path, cfg: &LoaderConfig, device: &str, ring: usize) -> Result<Loaded> {
+fn load_gpu(
+    dir: &Path,
+    cfg: &LoaderConfig,
+    device: &str,
+    ring: usize,
+    verify: bool,
+) -> Result<Loaded> {
     use kvtier_io::loader::staged::{CudaSink, load_model_dir_staged};
     let dev = kvtier_engine::open_device(device)?;
     let Some(stream) = kvtier_engine::cuda_stream(&dev) else {
         fail!("--device {device} is not a GPU");
     };
-    let load = load_model_dir_staged(dir, cfg, ring, CudaSink::on_stream(stream))
+    let load = load_model_dir_staged(dir, cfg, ring, CudaSink::on_stream(stream.clone()))
         .map_err(BenchError::other)?;
+    if verify {
+        for shard in &load.shards {
+            // The device memory holds the whole file: header and tensors.
+            let got = stream
+                .clone_dtoh(shard.memory())
+                .map_err(|e| BenchError::Failed(format!("reading back from {device}: {e}")))?;
+            check_same(shard.path(), &read_file(shard.path())?, 0, &got)?;
+        }
+    }
     Ok(Loaded {
         tensors: load.shards.iter().map(|s| s.header().tensors.len()).sum(),
         staging_buffers: Some(load.stats.staging_buffers),
@@ -131,9 +163,44 @@ fn load_gpu(dir: &Path, cfg: &LoaderConfig, device: &str, ring: usize) -> Result
 /// Without the `cuda` feature there is no GPU to load into: the device
 /// name is checked, and the error says how to build with it.
 #[cfg(not(feature = "cuda"))]
-fn load_gpu(_dir: &Path, _cfg: &LoaderConfig, device: &str, _ring: usize) -> Result<Loaded> {
+fn load_gpu(
+    _dir: &Path,
+    _cfg: &LoaderConfig,
+    device: &str,
+    _ring: usize,
+    _verify: bool,
+) -> Result<Loaded> {
     kvtier_engine::open_device(device)?;
     fail!("--device {device} is not a GPU")
+}
+
+/// The whole file at `path`, read plainly (the reference of `--verify`).
+fn read_file(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).with_step(|| format!("cannot read {} to verify it", path.display()))
+}
+
+/// Fails unless `got` equals `file[offset..]`'s first `got.len()` bytes,
+/// naming the first byte that differs.
+fn check_same(path: &Path, file: &[u8], offset: u64, got: &[u8]) -> Result<()> {
+    let want = usize::try_from(offset)
+        .ok()
+        .and_then(|at| file.get(at..at.checked_add(got.len())?));
+    let Some(want) = want else {
+        fail!(
+            "{}: {} loaded bytes at offset {offset} lie past the file's end ({} bytes)",
+            path.display(),
+            got.len(),
+            file.len()
+        );
+    };
+    if let Some(i) = want.iter().zip(got).position(|(a, b)| a != b) {
+        fail!(
+            "{}: the loaded bytes differ from the file at offset {}",
+            path.display(),
+            offset + i as u64
+        );
+    }
+    Ok(())
 }
 
 /// Bytes this process has read from storage so far (`None` when
@@ -197,9 +264,15 @@ pub fn run_model_load(opts: &ModelLoadOptions) -> Result<LoadReport> {
         std::thread::spawn(move || follow_reads(pb, total, stop))
     };
     let loaded = if opts.device == "cpu" {
-        load_host(&opts.dir, &cfg)
+        load_host(&opts.dir, &cfg, opts.verify)
     } else {
-        load_gpu(&opts.dir, &cfg, &opts.device, opts.staging_buffers)
+        load_gpu(
+            &opts.dir,
+            &cfg,
+            &opts.device,
+            opts.staging_buffers,
+            opts.verify,
+        )
     };
     stop.store(true, Ordering::Relaxed);
     let _ = follower.join();
@@ -221,6 +294,7 @@ pub fn run_model_load(opts: &ModelLoadOptions) -> Result<LoadReport> {
         device: opts.device.clone(),
         staging_buffers: loaded.staging_buffers,
         max_queued_copies: loaded.max_queued_copies,
+        verified: opts.verify.then_some(true),
     })
 }
 
@@ -259,6 +333,9 @@ impl TextReport for LoadReport {
                 "staging: {n} pinned buffers, up to {q} copies queued while reads ran"
             );
         }
+        if self.verified == Some(true) {
+            let _ = writeln!(out, "verified: every tensor equals the file's bytes");
+        }
         out
     }
 }
@@ -274,5 +351,24 @@ mod tests {
             assert!(storage_read_bytes().is_some());
         }
         assert_eq!(expected_bytes(Path::new("/nonexistent/model")), 0);
+    }
+
+    #[test]
+    fn verify_names_the_first_differing_byte_and_a_short_file() {
+        let path = Path::new("m.safetensors");
+        let file = [1u8, 2, 3, 4, 5, 6];
+        assert!(check_same(path, &file, 2, &[3, 4, 5]).is_ok());
+        let e = check_same(path, &file, 1, &[2, 3, 9])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("differ from the file at offset 3"), "{e}");
+        let e = check_same(path, &file, 4, &[5, 6, 7])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("past the file's end (6 bytes)"), "{e}");
+        let e = check_same(path, &file, u64::MAX, &[1])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("past the file's end"), "{e}");
     }
 }

@@ -69,6 +69,13 @@ pub struct ModelLoadArgs {
           value_parser = clap::value_parser!(u16).range(2..=1024))]
     pub staging_buffers: u16,
 
+    /// After the timed load, read every tensor back from where it landed
+    /// (host or GPU memory) and compare it with the file's bytes, read
+    /// plainly; a difference fails the command (`"verified": true` in the
+    /// JSON otherwise).
+    #[arg(long)]
+    pub verify: bool,
+
     /// How to read.
     #[command(flatten)]
     pub loader: LoaderFlags,

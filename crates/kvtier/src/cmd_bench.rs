@@ -84,6 +84,10 @@ pub struct BenchCmdArgs {
     /// landed, while later layers are still being read (docs/architecture.md).
     #[arg(long)]
     pub no_layerwise_restore: bool,
+    /// Where the in-process engine runs: `cpu`, or `cuda` / `cuda:N` in a
+    /// build with `--features cuda` (ignored with `--endpoint`).
+    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    pub device: String,
     /// G2 capacity.
     #[arg(long, value_parser = parse_size, default_value = "1GiB")]
     pub g2_bytes: u64,
@@ -126,6 +130,7 @@ impl BenchCmdArgs {
             block_tokens: self.block_tokens,
             kv_offload_codec: self.kv_offload_codec,
             layerwise_restore: !self.no_layerwise_restore,
+            device: self.device.clone(),
             g2_bytes: self.g2_bytes,
             g3_bytes: self.g3_bytes,
             max_batch: self.max_batch,

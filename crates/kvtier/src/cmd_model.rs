@@ -20,6 +20,7 @@ pub fn load(args: &ModelLoadArgs) -> Result<()> {
         device: args.device.clone(),
         staging_buffers: usize::from(args.staging_buffers),
         loader: args.loader.config(),
+        verify: args.verify,
         progress: !args.json,
     };
     print_report(&run_model_load(&opts)?, args.json)

@@ -49,6 +49,11 @@ fn synth_then_load_reports_the_model() {
     assert!(v["io_backend"].is_string());
     assert_eq!(v["device"].as_str(), Some("cpu"));
     assert!(v["staging_buffers"].is_null());
+    assert!(v["verified"].is_null());
+
+    // Every tensor read back and compared with the file, on request.
+    let v = json(&run(&["model", "load", "--json", "--verify"], &model));
+    assert_eq!(v["verified"].as_bool(), Some(true));
 
     // Buffered on request, with the reason.
     let v = json(&run(&["model", "load", "--json", "--buffered"], &model));

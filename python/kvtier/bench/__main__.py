@@ -1,11 +1,11 @@
-"""``python -m kvtier.bench {load,restore}``: see :mod:`kvtier.bench`."""
+"""``python -m kvtier.bench {load,restore,gpu-restore}``: see :mod:`kvtier.bench`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import load, restore
+from . import gpu_restore, load, restore
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_arguments(
         sub.add_parser("restore", help=restore.__doc__.splitlines()[0] if restore.__doc__ else None)
     )
+    gpu_restore.add_arguments(
+        sub.add_parser(
+            "gpu-restore", help=gpu_restore.__doc__.splitlines()[0] if gpu_restore.__doc__ else None
+        )
+    )
     child = sub.add_parser("_child", help=argparse.SUPPRESS)
     child.add_argument("loader")
     child.add_argument("files", nargs="+")
@@ -23,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         return load.run(args)
     if args.command == "restore":
         return restore.run(args)
+    if args.command == "gpu-restore":
+        return gpu_restore.run(args)
     return load.child(args.loader, args.files)
 
 
