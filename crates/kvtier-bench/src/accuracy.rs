@@ -48,6 +48,8 @@ pub struct Accuracy {
     /// The smallest number of agreeing leading tokens of a request, and
     /// how many it generated ("15/16").
     pub worst: String,
+    /// The session of that request (the first such).
+    pub worst_session: Option<usize>,
     /// Largest |delta| of a top-5 log probability before divergence.
     pub max_abs_delta_logprob_top5: f64,
     /// The reference's top-1 minus top-2 log probability, median over
@@ -67,7 +69,7 @@ pub fn compare(reference: &[RequestRecord], restored: &[RequestRecord]) -> Optio
         ..Default::default()
     };
     let mut sum = 0.0;
-    let mut worst = (usize::MAX, 0usize, 2.0f64);
+    let mut worst = (usize::MAX, 0usize, 2.0f64, None);
     let mut margins = Vec::new();
     let margin = |lp: &Vec<f32>| match lp.as_slice() {
         [a, b, ..] => Some(f64::from(a - b)),
@@ -108,7 +110,7 @@ pub fn compare(reference: &[RequestRecord], restored: &[RequestRecord]) -> Optio
         acc.identical_requests += usize::from(same == n && s.tokens.len() == n);
         sum += agreement;
         if agreement < worst.2 {
-            worst = (same, n, agreement);
+            worst = (same, n, agreement, Some(r.session));
         }
         acc.greedy_agreement_min = acc.greedy_agreement_min.min(agreement);
     }
@@ -118,6 +120,7 @@ pub fn compare(reference: &[RequestRecord], restored: &[RequestRecord]) -> Optio
     acc.greedy_agreement_mean = sum / acc.requests as f64;
     acc.reference_margin_p50 = crate::stats::percentile(&margins, 50.0).unwrap_or(0.0);
     acc.worst = format!("{}/{}", worst.0, worst.1);
+    acc.worst_session = worst.3;
     Some(acc)
 }
 
@@ -161,6 +164,7 @@ mod tests {
         assert_eq!(a.identical_requests, 1);
         assert_eq!(a.tokens, 8);
         assert_eq!(a.worst, "2/4");
+        assert_eq!(a.worst_session, Some(0));
         assert!((a.greedy_agreement_min - 0.5).abs() < 1e-12);
         assert!((a.greedy_agreement_mean - 0.75).abs() < 1e-12);
         // Steps up to and including the divergent one; not the one after.

@@ -21,6 +21,29 @@ pub fn cuda_stream(
     }
 }
 
+/// Makes `device`'s CUDA context current on the calling thread; nothing to
+/// do elsewhere. The CUDA driver keeps one current context per thread, and
+/// the engine's tensors are used on threads other than the one that opened
+/// the device (the scheduler's; the store's, which decode restored layers
+/// into pages): an operation there without it fails with
+/// `CUDA_ERROR_INVALID_CONTEXT` (seen on an H200). Cheap when already
+/// bound.
+pub(crate) fn bind_to_thread(device: &Device) -> Result<(), EngineError> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            d.cuda_stream()
+                .context()
+                .bind_to_thread()
+                .map_err(|e| EngineError::Device {
+                    name: format!("{:?}", device.location()),
+                    msg: format!("cannot bind its CUDA context to this thread: {e}"),
+                })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Fixes the engine's CPU thread count for the rest of the process:
 /// `threads` when given (`kvtier serve --threads`), else
 /// `RAYON_NUM_THREADS` when set, else the count candle picks (the physical

@@ -396,7 +396,9 @@ impl KvPool {
                         len: rows * self.mem.head_dim,
                     })?;
                 } else {
-                    let part = t.narrow(0, from, rows)?.contiguous()?;
+                    // A copy of just those rows: a narrowed view shares
+                    // `t`'s storage, which slice_set refuses.
+                    let part = t.narrow(0, from, rows)?.force_contiguous()?;
                     t.slice_set(&part, 0, to)?;
                 }
             }
@@ -476,6 +478,8 @@ impl PageWriter {
             )));
         }
         let run = (self.block_tokens * self.head_dim * 4) as u64;
+        // Called on the store's threads too (layer-wise restores).
+        crate::device::bind_to_thread(&self.device)?;
         for (layer, bytes) in layers.zip(stored.chunks_exact(per)) {
             let layer = layer as usize;
             let mut at = 0u64;

@@ -373,6 +373,10 @@ fn run(
         open: true,
         ..Default::default()
     };
+    // The engine's tensors are used on this thread from here on.
+    if let Err(e) = crate::device::bind_to_thread(&engine.options().device) {
+        tracing::warn!("{e}");
+    }
     loop {
         offload(&mut engine);
         stats.publish(&q, &engine);
