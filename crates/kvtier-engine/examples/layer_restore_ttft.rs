@@ -6,7 +6,7 @@
 //!
 //! `cargo run --release -p kvtier-engine --example layer_restore_ttft --
 //! [--model DIR] [--prefix 4096] [--suffix 1,64,256] [--rounds 5]
-//! [--kv-offload-codec none] [--json]`
+//! [--kv-offload-codec none] [--device cpu|cuda:N] [--json]`
 //!
 //! Default model: the `small` preset, written to a temp dir. The goal is
 //! layer-wise TTFT within 1.15x of max(restore, suffix compute).
@@ -22,6 +22,7 @@ struct Args {
     suffixes: Vec<usize>,
     rounds: usize,
     codec: KvCodec,
+    device: String,
     json: bool,
 }
 
@@ -32,6 +33,7 @@ fn parse() -> Result<Args, String> {
         suffixes: vec![1, 64, 256],
         rounds: 5,
         codec: KvCodec::None,
+        device: "cpu".into(),
         json: false,
     };
     let mut it = std::env::args().skip(1);
@@ -51,6 +53,7 @@ fn parse() -> Result<Args, String> {
                 let name = value()?;
                 a.codec = KvCodec::from_name(&name).ok_or(format!("unknown codec {name:?}"))?
             }
+            "--device" => a.device = value()?,
             "--json" => a.json = true,
             other => return Err(format!("unknown argument {other}")),
         }
@@ -111,6 +114,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         block_tokens: bt,
         pool_pages: 3 * longest.div_ceil(bt) + 8,
         max_seq_tokens: longest + 16,
+        device: kvtier_engine::open_device(&args.device)?,
         ..Default::default()
     };
     let store = StoreOptions {

@@ -477,35 +477,70 @@ impl PageWriter {
                 self.k.len()
             )));
         }
+        if !self.device.is_cpu() {
+            return self.import_to_device(page, &one, layers, stored);
+        }
         let run = (self.block_tokens * self.head_dim * 4) as u64;
-        // Called on the store's threads too (layer-wise restores).
-        crate::device::bind_to_thread(&self.device)?;
         for (layer, bytes) in layers.zip(stored.chunks_exact(per)) {
             let layer = layer as usize;
             let mut at = 0u64;
             for t in [&self.k[layer], &self.v[layer]] {
                 for h in 0..self.kv_heads {
-                    let row = self.row(page, h, 0);
-                    if self.device.is_cpu() {
-                        t.inplace_op1(&WritePage {
-                            offset: row * self.head_dim,
-                            elems: self.block_tokens * self.head_dim,
-                            layout: &one,
-                            stored: bytes,
-                            from: at,
-                        })?;
-                    } else {
-                        let mut host = vec![0u8; run as usize];
-                        one.decode_into(bytes, at, &mut host)?;
-                        let src = Tensor::from_raw_buffer(
-                            &host,
-                            DType::F32,
-                            &[self.block_tokens, self.head_dim],
-                            &self.device,
-                        )?;
-                        t.slice_set(&src, 0, row)?;
-                    }
+                    t.inplace_op1(&WritePage {
+                        offset: self.row(page, h, 0) * self.head_dim,
+                        elems: self.block_tokens * self.head_dim,
+                        layout: &one,
+                        stored: bytes,
+                        from: at,
+                    })?;
                     at += run;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`import_layers`](Self::import_layers) where the pool is not in host
+    /// memory (a GPU): every part of those layers is decoded into one host
+    /// buffer and crosses to the device in one copy; each head's rows are
+    /// then placed by a copy on the device. (One host-to-device copy and
+    /// allocation per head, as before, cost a round trip each.) `stored`
+    /// has been checked to hold `layers` whole, each `one`'s payload.
+    fn import_to_device(
+        &self,
+        page: PageId,
+        one: &KvLayout,
+        layers: std::ops::Range<u32>,
+        stored: &[u8],
+    ) -> Result<(), EngineError> {
+        // Called on the store's threads too (layer-wise restores).
+        crate::device::bind_to_thread(&self.device)?;
+        let run = self.block_tokens * self.head_dim * 4;
+        let per_layer = 2 * self.kv_heads;
+        let per = one.stored_payload_bytes() as usize;
+        let mut host = vec![0u8; layers.len() * per_layer * run];
+        for (bytes, out) in stored
+            .chunks_exact(per)
+            .zip(host.chunks_exact_mut(per_layer * run))
+        {
+            for (i, part) in out.chunks_exact_mut(run).enumerate() {
+                one.decode_into(bytes, (i * run) as u64, part)?;
+            }
+        }
+        let parts = layers.len() * per_layer;
+        let all = Tensor::from_raw_buffer(
+            &host,
+            DType::F32,
+            &[parts * self.block_tokens, self.head_dim],
+            &self.device,
+        )?;
+        let mut part = 0;
+        for layer in layers {
+            for t in [&self.k[layer as usize], &self.v[layer as usize]] {
+                for h in 0..self.kv_heads {
+                    let src = all.narrow(0, part * self.block_tokens, self.block_tokens)?;
+                    t.slice_set(&src, 0, self.row(page, h, 0))?;
+                    part += 1;
                 }
             }
         }
@@ -760,5 +795,38 @@ mod tests {
                     .is_err()
             );
         }
+    }
+
+    #[test]
+    fn the_device_import_places_every_head_as_the_in_place_one_does() {
+        // The path a GPU pool takes (one host buffer, one copy, heads
+        // placed by slice_set), run on CPU tensors against the in-place
+        // path, for every codec and for a run of layers.
+        let pool = KvPool::new(3, 2, 4, 3, 4, &Device::Cpu).unwrap();
+        let k = Tensor::arange(0f32, 24., &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3, 4))
+            .unwrap();
+        for layer in 0..3 {
+            let kl = ((&k - 7.0).unwrap() * (0.25 + layer as f64)).unwrap();
+            pool.write(layer, &[1], 0, &kl, &(&kl * -0.5).unwrap())
+                .unwrap();
+        }
+        let w = pool.page_writer();
+        for codec in [KvCodec::None, KvCodec::Int8] {
+            let layout = pool.store_layout(codec);
+            let mut stored = vec![0u8; layout.stored_payload_bytes() as usize];
+            pool.export_into(1, &layout, &mut stored).unwrap();
+            let per = stored.len() / 3;
+            w.import_layers(2, &layout, 0..3, &stored).unwrap();
+            let one = KvLayout {
+                layers: 1,
+                ..layout
+            };
+            w.import_to_device(3, &one, 0..1, &stored[..per]).unwrap();
+            w.import_to_device(3, &one, 1..3, &stored[per..]).unwrap();
+            assert_eq!(pool.export(2).unwrap(), pool.export(3).unwrap(), "{codec}");
+        }
+        assert_ne!(pool.export(3).unwrap(), pool.export(0).unwrap());
     }
 }
