@@ -36,7 +36,11 @@ the connector warns about it at start.
   uncoded KV never mix;
 - ``load_async`` (default true): restores run between scheduler steps while
   other requests keep decoding; false restores inside the step that needs
-  them.
+  them;
+- ``force_staging`` (default false): copy pages through pinned host buffers
+  (:mod:`kvtier.staging`) even where the KV cache could be read and written
+  in place, so the path an accelerator's KV cache takes runs on a CPU too
+  (the end-to-end checks use it).
 
 Decisions (where vLLM leaves a choice):
 
@@ -171,6 +175,7 @@ def _extra(vllm_config: VllmConfig) -> dict[str, Any]:
         "fingerprint",
         "load_async",
         "kv_offload_codec",
+        "force_staging",
     }
     unknown = set(extra) - known
     if unknown:
@@ -557,7 +562,7 @@ class KvtierConnector(KVConnectorBase_V1):
         arrangement = _page_arrangement(self._vllm_config, names[0], layers[0])
         self._layers = layers
         in_place = arrangement == KV_PER_BLOCK and all(t.device.type == "cpu" and t.is_contiguous() for t in layers)
-        if not in_place:
+        if not in_place or bool(_extra(self._vllm_config).get("force_staging", False)):
             self._staging = PageStaging(layers, arrangement)
         self._flusher = _Flusher(self._ns)
         if rank == 0:

@@ -1,7 +1,9 @@
 """kvtier under a real vLLM (CPU backend), end to end: restores across a
 restart, a shared G4 between two vLLM processes, a corrupt block, cache
 salts, and kill -9 while saving. Each check compares greedy output with a
-vLLM that runs without any connector.
+vLLM that runs without any connector. The two G4 nodes copy their pages
+through host buffers (``force_staging``), the path a GPU worker's KV
+cache takes; the others copy in place.
 
 The servers run once, in :func:`scenario` (six vLLM starts, about 30 s
 each); each test asserts one check on what it observed. Timings are
@@ -48,6 +50,8 @@ class Observed:
     deltas: dict[str, dict[str, float]] = field(default_factory=dict)
     corrupted: tuple[str, int] | None = None
     g4_keys: int = 0
+    #: Per server log, how its worker said it copies pages.
+    copy_modes: dict[str, str] = field(default_factory=dict)
     figures: dict[str, Any] = field(default_factory=dict)
 
 
@@ -145,7 +149,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -
         _observe(obs, s3, "A after kill", PROMPTS["A"])
     # S4 and S5: their own G2/G3, one G4.
     with RedisServer() as redis:
-        with VllmServer(model, logs / "s4.log", kvtier(y, remote=redis.url)) as s4:
+        with VllmServer(model, logs / "s4.log", kvtier(y, remote=redis.url, force_staging=True)) as s4:
             s4.complete(WARMUP)
             _observe(obs, s4, "E node 1", PROMPTS["E"])
             blocks_e = (obs.replies["E node 1"].prompt_tokens - 1) // 128
@@ -153,9 +157,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -
             while _redis_keys(redis.port) < blocks_e and time.monotonic() < deadline:
                 time.sleep(0.2)
             obs.g4_keys = _redis_keys(redis.port)
-            with VllmServer(model, logs / "s5.log", kvtier(z, remote=redis.url)) as s5:
+            with VllmServer(model, logs / "s5.log", kvtier(z, remote=redis.url, force_staging=True)) as s5:
                 s5.complete(WARMUP)
                 _observe(obs, s5, "E node 2", PROMPTS["E"])
+    for name in ("s1", "s4", "s5"):
+        lines = [l for l in (logs / f"{name}.log").read_text(errors="replace").splitlines() if "kvtier: worker rank" in l]
+        obs.copy_modes[name] = lines[-1] if lines else ""
     obs.figures = {
         "ttft_fresh_s": obs.replies["A fresh"].ttft_s,
         "ttft_restored_s": obs.replies["A restored"].ttft_s,
@@ -186,6 +193,11 @@ def test_restart_restores_the_prefix(scenario: Observed, record: dict[str, Any])
 
 
 def test_second_node_restores_from_the_shared_g4(scenario: Observed) -> None:
+    # Both nodes staged their pages (saved by gathering, restored by
+    # scattering); the first server copied in place.
+    for name in ("s4", "s5"):
+        assert "staged from cpu (kv-per-block)" in scenario.copy_modes[name], scenario.copy_modes
+    assert scenario.copy_modes["s1"].endswith("in place"), scenario.copy_modes
     assert scenario.g4_keys >= (scenario.replies["E node 1"].prompt_tokens - 1) // 128
     assert ext_hits(scenario, "E node 1") == 0
     assert ext_hits(scenario, "E node 2") > 0
