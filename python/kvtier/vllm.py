@@ -37,7 +37,7 @@ the connector warns about it at start.
 - ``load_async`` (default true): restores run between scheduler steps while
   other requests keep decoding; false restores inside the step that needs
   them;
-- ``force_staging`` (default false): copy pages through pinned host buffers
+- ``force_staging`` (default false): copy pages through host buffers
   (:mod:`kvtier.staging`) even where the KV cache could be read and written
   in place, so the path an accelerator's KV cache takes runs on a CPU too
   (the end-to-end checks use it).
@@ -264,18 +264,18 @@ def connector_namespace(vllm_config: VllmConfig, rank: int = 0) -> Namespace:
     return _store(extra).namespace(layout, fingerprint=fingerprint, name=extra.get("namespace"))
 
 
-def _page_arrangement(vllm_config: VllmConfig, layer: str, t: torch.Tensor) -> str:
+def _page_arrangement(vllm_config: VllmConfig, layer: str, t: torch.Tensor) -> tuple[str, str]:
     """How the attention backend of ``layer`` arranges K and V in a page
-    (:mod:`kvtier.staging`), from the backend vLLM chose for it. A backend
-    kvtier does not know is refused: guessing could serve wrong KV. Where
-    vLLM does not say (no attention layer registered under that name), a
-    CPU tensor is taken to be the CPU backend's, the only one vLLM runs on
-    the CPU."""
+    (:mod:`kvtier.staging`), from the backend vLLM chose for it, and that
+    backend's name. A backend kvtier does not know is refused: guessing
+    could serve wrong KV. Where vLLM does not say (no attention layer
+    registered under that name), a CPU tensor is taken to be the CPU
+    backend's, the only one vLLM runs on the CPU."""
     ctx = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
     backend = getattr(ctx.get(layer), "attn_backend", None)
     if backend is None:
         if t.device.type == "cpu":
-            return KV_PER_BLOCK
+            return KV_PER_BLOCK, "unnamed, on the CPU"
         raise ValueError(f"kvtier: cannot tell which attention backend layer {layer} on {t.device} uses")
     name = str(backend.get_name())
     arrangement = VLLM_BACKENDS.get(name)
@@ -284,7 +284,7 @@ def _page_arrangement(vllm_config: VllmConfig, layer: str, t: torch.Tensor) -> s
             f"kvtier: vLLM's {name} attention backend keeps KV in a page form kvtier does not know; "
             f"choose one of {', '.join(sorted(VLLM_BACKENDS))} (--attention-backend)"
         )
-    return arrangement
+    return arrangement, name
 
 
 def request_salt(cache_salt: str | None, lora_name: str | None) -> bytes:
@@ -559,7 +559,7 @@ class KvtierConnector(KVConnectorBase_V1):
                     f"kvtier: layer {n} has a {t.dtype} KV cache of shape {tuple(t.shape)}; kvtier takes "
                     f"[num_blocks, {shape[0]}, {shape[1]}, {shape[2]}] {layout.dtype}"
                 )
-        arrangement = _page_arrangement(self._vllm_config, names[0], layers[0])
+        arrangement, backend = _page_arrangement(self._vllm_config, names[0], layers[0])
         self._layers = layers
         in_place = arrangement == KV_PER_BLOCK and all(t.device.type == "cpu" and t.is_contiguous() for t in layers)
         if not in_place or bool(_extra(self._vllm_config).get("force_staging", False)):
@@ -568,12 +568,13 @@ class KvtierConnector(KVConnectorBase_V1):
         if rank == 0:
             self._server = _LookupServer(self._vllm_config, self._ns)
         logger.info(
-            "kvtier: worker rank %d on namespace %s (%s), %d layers of %d pages, %s",
+            "kvtier: worker rank %d on namespace %s (%s), %d layers of %d pages, %s backend, %s",
             rank,
             self._ns.name,
             _store(_extra(self._vllm_config)).cache_dir,
             len(layers),
             layers[0].shape[0],
+            backend,
             "in place" if self._staging is None else f"staged from {layers[0].device} ({arrangement})",
         )
 

@@ -194,10 +194,12 @@ def test_restart_restores_the_prefix(scenario: Observed, record: dict[str, Any])
 
 def test_second_node_restores_from_the_shared_g4(scenario: Observed) -> None:
     # Both nodes staged their pages (saved by gathering, restored by
-    # scattering); the first server copied in place.
+    # scattering); the first server copied in place. Each named the
+    # attention backend vLLM chose (the page form follows from it).
     for name in ("s4", "s5"):
         assert "staged from cpu (kv-per-block)" in scenario.copy_modes[name], scenario.copy_modes
     assert scenario.copy_modes["s1"].endswith("in place"), scenario.copy_modes
+    assert all("CPU_ATTN backend" in m for m in scenario.copy_modes.values()), scenario.copy_modes
     assert scenario.g4_keys >= (scenario.replies["E node 1"].prompt_tokens - 1) // 128
     assert ext_hits(scenario, "E node 1") == 0
     assert ext_hits(scenario, "E node 2") > 0
