@@ -5,18 +5,18 @@
 //! the exception classes of `kvtier.errors`. This module does the I/O
 //! through `kvtier-io`, with the GIL released:
 //!
-//! * [`host_buffer`]: `HostBuffer`, one loaded file's bytes, viewed by the
+//! * `host_buffer`: `HostBuffer`, one loaded file's bytes, viewed by the
 //!   arrays through numpy's array interface (no copy);
-//! * [`py_load`]: `load_safetensors`, a file or a model directory through
+//! * `py_load`: `load_safetensors`, a file or a model directory through
 //!   the parallel direct-I/O weight loader;
-//! * [`py_checkpoint`]: `save_checkpoint` and `load_checkpoint`, the
+//! * `py_checkpoint`: `save_checkpoint` and `load_checkpoint`, the
 //!   crash-safe checkpoint writer and its verified loader;
-//! * [`array_input`]: reading the bytes of numpy arrays handed in;
-//! * [`py_error`]: every Rust error as a `kvtier.errors` exception.
+//! * `array_input`: reading the bytes of numpy arrays handed in;
+//! * `py_error`: every Rust error as a `kvtier.errors` exception.
 //!
-//! * [`py_device`]: `device_read_gbps`, the device's read limit for the
+//! * `py_device`: `device_read_gbps`, the device's read limit for the
 //!   benchmarks;
-//! * [`py_store`]: `Store`, `Namespace`, `Layout`, `Transfer`,
+//! * `py_store`: `Store`, `Namespace`, `Layout`, `Transfer`,
 //!   `BlockResult`: the tiered KV store (`kvtier.Store`).
 
 mod array_input;

@@ -90,9 +90,8 @@ class Bench:
         self.keys = [i.to_bytes(8, "little") for i in range(self.blocks)]
         self.staging = PageStaging(self.src, KV_PER_TOKEN)
         self.back = PageStaging(self.dst, KV_PER_TOKEN)
-        chunk = 64
-        for start in range(0, self.blocks, chunk):
-            ids = list(range(start, min(start + chunk, self.blocks)))
+        for start in range(0, self.blocks, CHUNK_BLOCKS):
+            ids = list(range(start, min(start + CHUNK_BLOCKS, self.blocks)))
             host = self.staging.gather(ids)
             res = self.ns.save(self.keys[start : start + len(ids)], PageStaging.pieces(host)).wait()
             assert res is not None and all(r.ok for r in res), res

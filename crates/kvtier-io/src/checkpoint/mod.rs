@@ -34,7 +34,7 @@
 //!
 //! Each shard file image (header, tensors, zero padding) is cut into aligned
 //! chunks of [`SaveOptions::chunk_bytes`] (default 8 MiB) and written with
-//! the [`IoEngine`], [`SaveOptions::in_flight`] writes
+//! the [`IoEngine`](crate::IoEngine), [`SaveOptions::in_flight`] writes
 //! outstanding. Files are opened with `O_DIRECT` when the directory accepts
 //! it ([`probe_direct`](crate::direct::probe_direct)); otherwise writes are buffered,
 //! a warning is logged and [`CheckpointInfo::direct`] is false with the

@@ -3,9 +3,9 @@
 //!
 //! * `put_many` encodes blocks into G2 and `offer` takes blocks already
 //!   encoded in place ([`BlockBuf`]). Blocks G2 evicts are **demoted** to G3
-//!   by a background writer (write-back, [`write_back`]), never on a
+//!   by a background writer (write-back, `write_back`), never on a
 //!   reader's path; they stay readable from the write-back queue
-//!   ([`pending`]) until written. `put_many` waits (backpressure) while more
+//!   (`pending`) until written. `put_many` waits (backpressure) while more
 //!   than `writeback_max_bytes` are queued; `offer` never waits: blocks past
 //!   the bound are dropped from the cache and counted
 //!   (`kvtier_store_writeback_dropped`), so a decode loop never stalls on
@@ -13,7 +13,7 @@
 //! * `lookup_prefix` counts the leading keys held in any tier, without
 //!   reading them.
 //! * `read_prefix` reads the leading blocks held in any tier in one pass
-//!   ([`tier_reads`]): each key is looked up once, G3 reads and G4 GETs are in
+//!   (`tier_reads`): each key is looked up once, G3 reads and G4 GETs are in
 //!   flight together, every block is verified, the walk stops at the first
 //!   miss. `read_prefix_async` runs it on the store's reader threads and
 //!   hands back a [`Handle`]. `get_many` reads any set of keys the same way.
@@ -22,7 +22,7 @@
 //!   layer-major across the prefix (`layer_reads`), for an engine that
 //!   computes layer by layer while the rest is read.
 //! * With G4 ([`StoreConfig::remote`]), blocks put are also written through
-//!   to the shared pool by a second background writer ([`write_through`],
+//!   to the shared pool by a second background writer (`write_through`,
 //!   subject to the admission filter), dropped and counted when its queue is
 //!   full or the pool is down. A failing G4 is misses, never an error.
 //! * Dropping the last handle (or [`TieredStore::close`]) writes every block
