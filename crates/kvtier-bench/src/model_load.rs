@@ -111,10 +111,21 @@ fn load_host(dir: &Path, cfg: &LoaderConfig, verify: bool) -> Result<Loaded> {
     let (shards, stats) = load_model_dir(dir, cfg).map_err(BenchError::other)?;
     if verify {
         for shard in &shards {
-            let file = read_file(shard.path())?;
-            for (view, info) in shard.tensors().zip(&shard.header().tensors) {
-                let start = shard.header().data_start() + info.data_offsets.0;
-                check_same(shard.path(), &file, start, view.data)?;
+            let header = shard.header();
+            for info in &header.tensors {
+                let Some(view) = shard.tensor(&info.name) else {
+                    fail!(
+                        "{}: tensor {} was not loaded",
+                        shard.path().display(),
+                        info.name
+                    );
+                };
+                let start = header.data_start() + info.data_offsets.0;
+                verify_range(shard.path(), start, view.data.len() as u64, |at, buf| {
+                    let from = (at - start) as usize;
+                    buf.copy_from_slice(&view.data[from..from + buf.len()]);
+                    Ok(())
+                })?;
             }
         }
     }
@@ -146,10 +157,13 @@ fn load_gpu(
     if verify {
         for shard in &load.shards {
             // The device memory holds the whole file: header and tensors.
-            let got = stream
-                .clone_dtoh(shard.memory())
-                .map_err(|e| BenchError::Failed(format!("reading back from {device}: {e}")))?;
-            check_same(shard.path(), &read_file(shard.path())?, 0, &got)?;
+            let memory = shard.memory();
+            verify_range(shard.path(), 0, memory.len() as u64, |at, buf| {
+                let from = at as usize;
+                stream
+                    .memcpy_dtoh(&memory.slice(from..from + buf.len()), buf)
+                    .map_err(|e| BenchError::Failed(format!("reading back from {device}: {e}")))
+            })?;
         }
     }
     Ok(Loaded {
@@ -174,31 +188,47 @@ fn load_gpu(
     fail!("--device {device} is not a GPU")
 }
 
-/// The whole file at `path`, read plainly (the reference of `--verify`).
-fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).with_step(|| format!("cannot read {} to verify it", path.display()))
-}
+/// Bytes `--verify` compares at a time: its memory stays bounded whatever
+/// the size of a shard or a tensor.
+const VERIFY_PIECE: u64 = 64 << 20;
 
-/// Fails unless `got` equals `file[offset..]`'s first `got.len()` bytes,
-/// naming the first byte that differs.
-fn check_same(path: &Path, file: &[u8], offset: u64, got: &[u8]) -> Result<()> {
-    let want = usize::try_from(offset)
-        .ok()
-        .and_then(|at| file.get(at..at.checked_add(got.len())?));
-    let Some(want) = want else {
+/// Compares `len` loaded bytes that belong at `offset` of the file at
+/// `path` with the file, read plainly, a piece at a time: `loaded(at, buf)`
+/// fills `buf` with the loaded bytes of file offset `at`. The error names
+/// the first byte that differs.
+fn verify_range(
+    path: &Path,
+    offset: u64,
+    len: u64,
+    mut loaded: impl FnMut(u64, &mut [u8]) -> Result<()>,
+) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(path)
+        .with_step(|| format!("cannot open {} to verify it", path.display()))?;
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let end = offset.checked_add(len).filter(|&end| end <= size);
+    let Some(end) = end else {
         fail!(
-            "{}: {} loaded bytes at offset {offset} lie past the file's end ({} bytes)",
-            path.display(),
-            got.len(),
-            file.len()
+            "{}: {len} loaded bytes at offset {offset} lie past the file's end ({size} bytes)",
+            path.display()
         );
     };
-    if let Some(i) = want.iter().zip(got).position(|(a, b)| a != b) {
-        fail!(
-            "{}: the loaded bytes differ from the file at offset {}",
-            path.display(),
-            offset + i as u64
-        );
+    let piece = len.min(VERIFY_PIECE) as usize;
+    let (mut want, mut got) = (vec![0u8; piece], vec![0u8; piece]);
+    let mut at = offset;
+    while at < end {
+        let n = (end - at).min(VERIFY_PIECE) as usize;
+        file.read_exact_at(&mut want[..n], at)
+            .with_step(|| format!("cannot read {} to verify it", path.display()))?;
+        loaded(at, &mut got[..n])?;
+        if let Some(i) = want[..n].iter().zip(&got[..n]).position(|(a, b)| a != b) {
+            fail!(
+                "{}: the loaded bytes differ from the file at offset {}",
+                path.display(),
+                at + i as u64
+            );
+        }
+        at += n as u64;
     }
     Ok(())
 }
@@ -355,20 +385,54 @@ mod tests {
 
     #[test]
     fn verify_names_the_first_differing_byte_and_a_short_file() {
-        let path = Path::new("m.safetensors");
-        let file = [1u8, 2, 3, 4, 5, 6];
-        assert!(check_same(path, &file, 2, &[3, 4, 5]).is_ok());
-        let e = check_same(path, &file, 1, &[2, 3, 9])
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        std::fs::write(&path, [1u8, 2, 3, 4, 5, 6]).unwrap();
+        let from = |bytes: &'static [u8], start: u64| {
+            move |at: u64, buf: &mut [u8]| {
+                let i = (at - start) as usize;
+                buf.copy_from_slice(&bytes[i..i + buf.len()]);
+                Ok(())
+            }
+        };
+        assert!(verify_range(&path, 2, 3, from(&[3, 4, 5], 2)).is_ok());
+        let e = verify_range(&path, 1, 3, from(&[2, 3, 9], 1))
             .unwrap_err()
             .to_string();
         assert!(e.contains("differ from the file at offset 3"), "{e}");
-        let e = check_same(path, &file, 4, &[5, 6, 7])
+        let e = verify_range(&path, 4, 3, from(&[5, 6, 7], 4))
             .unwrap_err()
             .to_string();
         assert!(e.contains("past the file's end (6 bytes)"), "{e}");
-        let e = check_same(path, &file, u64::MAX, &[1])
+        let e = verify_range(&path, u64::MAX, 1, from(&[1], 0))
             .unwrap_err()
             .to_string();
         assert!(e.contains("past the file's end"), "{e}");
+        let e = verify_range(&dir.path().join("gone"), 0, 1, from(&[1], 0))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot open"), "{e}");
+    }
+
+    #[test]
+    fn verify_compares_a_range_larger_than_a_piece_piece_by_piece() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big");
+        let len = VERIFY_PIECE as usize + 5000;
+        let mut data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let mut pieces = 0;
+        let mut check = |data: &[u8]| {
+            verify_range(&path, 0, len as u64, |at, buf| {
+                pieces += 1;
+                buf.copy_from_slice(&data[at as usize..at as usize + buf.len()]);
+                Ok(())
+            })
+        };
+        assert!(check(&data).is_ok());
+        data[len - 10] ^= 1;
+        let e = check(&data).unwrap_err().to_string();
+        assert!(e.contains(&format!("offset {}", len - 10)), "{e}");
+        assert_eq!(pieces, 4, "two pieces per pass");
     }
 }
