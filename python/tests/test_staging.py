@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier import Layout, Store
+from kvtier import BlockResult, Layout, Store, Transfer
 from kvtier.staging import KV_PER_BLOCK, KV_PER_TOKEN, PageStaging
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -45,6 +45,13 @@ def cpu_page(t: torch.Tensor, block: int, arrangement: str) -> torch.Tensor:
     return torch.cat([k, v], dim=1).reshape(HEADS, TOKENS, 2 * HEAD)
 
 
+def results(t: Transfer) -> list[BlockResult]:
+    """A transfer's results, once it is done."""
+    r = t.wait()
+    assert r is not None
+    return r
+
+
 def keys(n: int) -> list[bytes]:
     return [b"stage" + i.to_bytes(4, "little") for i in range(n)]
 
@@ -62,12 +69,12 @@ def test_staged_pages_are_stored_in_the_cpu_backends_form(
     saved_ids = [7, 2, 5, 0]
     staging = PageStaging(src, arrangement)
     host = staging.gather(saved_ids)
-    assert all(r == "stored" for r in ns.save(keys(4), PageStaging.pieces(host)).wait())
+    assert all(r == "stored" for r in results(ns.save(keys(4), PageStaging.pieces(host))))
 
     # Read back in place into the CPU backend's own contiguous tensors:
     # what was stored is the CPU form of each page, whatever its arrangement.
     cpu = [torch.zeros(BLOCKS, HEADS, TOKENS, 2 * HEAD, dtype=dtype) for _ in range(LAYERS)]
-    assert all(r.ok for r in ns.load_pages(keys(4), cpu, [1, 3, 4, 6]).wait())
+    assert all(r.ok for r in results(ns.load_pages(keys(4), cpu, [1, 3, 4, 6])))
     for t_src, t_cpu in zip(src, cpu):
         for got, want in zip([1, 3, 4, 6], saved_ids):
             assert torch.equal(t_cpu[got], cpu_page(t_src, want, arrangement))
@@ -79,7 +86,7 @@ def test_staged_pages_are_stored_in_the_cpu_backends_form(
     before = [t.clone() for t in dst]
     back = PageStaging(dst, arrangement)
     host = back.buffer(4)
-    assert all(r.ok for r in ns.load(keys(4), PageStaging.pieces(host)).wait())
+    assert all(r.ok for r in results(ns.load(keys(4), PageStaging.pieces(host))))
     back.scatter(host, [9, 8, 3, 1])
     if device == "cuda":
         torch.cuda.synchronize()
@@ -99,11 +106,11 @@ def test_a_gpu_style_page_and_a_cpu_page_share_one_stored_block(tmp_path: Path, 
     ns = Store(str(tmp_path), g2_bytes=16 << 20, g3_bytes=64 << 20).namespace(layout, fingerprint="share")
     flash = kv_cache(device, torch.float32, seed=3, strided=False)
     host = PageStaging(flash, KV_PER_TOKEN).gather([4])
-    assert all(r == "stored" for r in ns.save(keys(1), PageStaging.pieces(host)).wait())
+    assert all(r == "stored" for r in results(ns.save(keys(1), PageStaging.pieces(host))))
     cpu = kv_cache("cpu", torch.float32, seed=4, strided=True)
     stage = PageStaging(cpu, KV_PER_BLOCK)
     host = stage.buffer(1)
-    assert all(r.ok for r in ns.load(keys(1), PageStaging.pieces(host)).wait())
+    assert all(r.ok for r in results(ns.load(keys(1), PageStaging.pieces(host))))
     stage.scatter(host, [0])
     assert torch.equal(cpu[1][0], cpu_page(flash[1], 4, KV_PER_TOKEN))
     # Back: the CPU page into a per-token cache gives the original K and V.
