@@ -503,9 +503,9 @@ impl PageWriter {
     /// [`import_layers`](Self::import_layers) where the pool is not in host
     /// memory (a GPU): every part of those layers is decoded into one host
     /// buffer and crosses to the device in one copy; each head's rows are
-    /// then placed by a copy on the device. (One host-to-device copy and
-    /// allocation per head, as before, cost a round trip each.) `stored`
-    /// has been checked to hold `layers` whole, each `one`'s payload.
+    /// then placed by a copy on the device, rather than each head crossing
+    /// on its own (an allocation and a round trip each). `stored` has been
+    /// checked to hold `layers` whole, each `one`'s payload.
     fn import_to_device(
         &self,
         page: PageId,
@@ -801,7 +801,7 @@ mod tests {
     fn the_device_import_places_every_head_as_the_in_place_one_does() {
         // The path a GPU pool takes (one host buffer, one copy, heads
         // placed by slice_set), run on CPU tensors against the in-place
-        // path, for every codec and for a run of layers.
+        // path, with and without a codec, one layer and a run of layers.
         let pool = KvPool::new(3, 2, 4, 3, 4, &Device::Cpu).unwrap();
         let k = Tensor::arange(0f32, 24., &Device::Cpu)
             .unwrap()
