@@ -50,9 +50,11 @@ pub fn context_keys(pool: &KvPool, table: &[PageId], start: usize, t: usize) -> 
 /// head_dim)` at positions `causal.start..`, whose K/V (already written to
 /// the pool) live in `table`, over `causal.keys` keys (from
 /// [`context_keys`]), each query seeing the keys up to its own position
-/// (within the window when there is one). On the CPU the scores are
-/// normalised in place ([`CausalSoftmax`]); elsewhere through an additive
-/// mask and candle's softmax.
+/// (within the window when there is one). Without a `mask`, on the CPU, the
+/// scores are normalised in place ([`CausalSoftmax`]); otherwise through
+/// the additive `mask` ([`causal_mask`] of `causal`, made here when not
+/// given) and candle's softmax. A forward pass makes each mask once and
+/// hands it to every layer: it is the same for all of them.
 pub fn paged_attention(
     pool: &KvPool,
     layer: usize,
@@ -60,6 +62,7 @@ pub fn paged_attention(
     q: &Tensor,
     causal: CausalSoftmax,
     kv_heads: usize,
+    mask: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
     let (heads, t, hd) = q.dims3()?;
     let groups = heads / kv_heads;
@@ -72,14 +75,21 @@ pub fn paged_attention(
     }
     let k = pool.context(layer, pages, false)?;
     let scores = q.matmul(&k.t()?)?;
-    let weights = if q.device().is_cpu() {
+    let weights = if q.device().is_cpu() && mask.is_none() {
         scores.inplace_op1(&causal)?;
         scores
     } else {
-        let mask = causal_mask(causal.start, t, keys, causal.window, q.device())?;
+        let made;
+        let mask = match mask {
+            Some(m) => m,
+            None => {
+                made = causal_mask(causal.start, t, keys, causal.window, q.device())?;
+                &made
+            }
+        };
         let scores = scores
             .reshape((kv_heads, groups, t, keys))?
-            .broadcast_add(&mask)?;
+            .broadcast_add(mask)?;
         candle_nn::ops::softmax_last_dim(&scores)?.reshape((kv_heads, groups * t, keys))?
     };
     let v = pool.context(layer, pages, true)?;
@@ -152,29 +162,44 @@ mod tests {
                 start,
                 window: None,
             };
-            let got = paged_attention(&pool, 0, table, &q, causal, kvh).unwrap();
-            let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
-            for qh in 0..heads {
-                let h = qh / groups;
-                let keys: Vec<Vec<f32>> = (0..len)
-                    .map(|j| (0..hd).map(|d| val(h, j, d, 0.37)).collect())
-                    .collect();
-                let vals: Vec<Vec<f32>> = (0..len)
-                    .map(|j| (0..hd).map(|d| val(h, j, d, 0.11)).collect())
-                    .collect();
-                let qs: Vec<Vec<f32>> = (0..t)
-                    .map(|i| qd[(qh * t + i) * hd..(qh * t + i + 1) * hd].to_vec())
-                    .collect();
-                let want = reference(&keys, &vals, &qs, start, hd);
-                for i in 0..t {
-                    for d in 0..hd {
-                        let g = got[(qh * t + i) * hd + d];
-                        assert!(
-                            (g - want[i][d]).abs() < 1e-5,
-                            "head {qh} query {i} dim {d}: {g} vs {}",
-                            want[i][d]
-                        );
-                    }
+            // In place (the CPU's way) and through a given mask (the way
+            // of every other device): both equal the plain attention.
+            let mask = causal_mask(start, t, causal.keys, None, &dev).unwrap();
+            for mask in [None, Some(&mask)] {
+                let got = paged_attention(&pool, 0, table, &q, causal, kvh, mask).unwrap();
+                let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
+                check_heads(&got, &qd, (heads, groups, t, hd, len, start), &val);
+            }
+        }
+    }
+
+    /// Each query head of `got` against the plain attention of its KV head.
+    fn check_heads(
+        got: &[f32],
+        qd: &[f32],
+        (heads, groups, t, hd, len, start): (usize, usize, usize, usize, usize, usize),
+        val: &dyn Fn(usize, usize, usize, f32) -> f32,
+    ) {
+        for qh in 0..heads {
+            let h = qh / groups;
+            let keys: Vec<Vec<f32>> = (0..len)
+                .map(|j| (0..hd).map(|d| val(h, j, d, 0.37)).collect())
+                .collect();
+            let vals: Vec<Vec<f32>> = (0..len)
+                .map(|j| (0..hd).map(|d| val(h, j, d, 0.11)).collect())
+                .collect();
+            let qs: Vec<Vec<f32>> = (0..t)
+                .map(|i| qd[(qh * t + i) * hd..(qh * t + i + 1) * hd].to_vec())
+                .collect();
+            let want = reference(&keys, &vals, &qs, start, hd);
+            for i in 0..t {
+                for d in 0..hd {
+                    let g = got[(qh * t + i) * hd + d];
+                    assert!(
+                        (g - want[i][d]).abs() < 1e-5,
+                        "head {qh} query {i} dim {d}: {g} vs {}",
+                        want[i][d]
+                    );
                 }
             }
         }

@@ -16,7 +16,7 @@ mod decode;
 use candle_core::{D, DType, Device, Tensor};
 use candle_nn::{Linear, Module};
 
-use crate::attention::{context_keys, paged_attention};
+use crate::attention::{causal_mask, context_keys, paged_attention};
 use crate::engine_error::EngineError;
 use crate::kv_pool::{KvPool, PageId};
 use crate::model_config::ModelConfig;
@@ -284,13 +284,17 @@ impl Model {
         let q_out = heads * hd;
         let kv_out = kvh * hd;
         let inter = cfg.intermediate_size;
+        // Off the CPU, attention adds a causal mask: one per segment (and
+        // per window, where some layers slide), the same for every layer,
+        // so made once here rather than built and copied over per layer.
+        let mut masks: Vec<[Option<Tensor>; 2]> = vec![[None, None]; segs.len()];
         for (li, layer) in self.layers.iter().enumerate() {
             gate(li);
             let hn = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
             let qkv = project(&layer.qkv, &hn)?;
             let mut outs = Vec::with_capacity(segs.len());
             let mut off = 0;
-            for (s, &keys) in segs.iter().zip(&keys) {
+            for (si, (s, &keys)) in segs.iter().zip(&keys).enumerate() {
                 let t = s.tokens.len();
                 // Rows of this segment, columns `col..col + nh * hd`, as
                 // `(nh, t, hd)`; Qwen3 norms each head's vector first.
@@ -320,7 +324,18 @@ impl Model {
                     start: s.start,
                     window: layer.window.and(window),
                 };
-                let a = paged_attention(pool, li, s.table, &qs, causal, kvh)?;
+                let mask = match &mut masks[si][usize::from(causal.window.is_some())] {
+                    _ if self.device.is_cpu() => None,
+                    Some(m) => Some(&*m),
+                    slot => Some(&*slot.insert(causal_mask(
+                        s.start,
+                        t,
+                        keys,
+                        causal.window,
+                        &self.device,
+                    )?)),
+                };
+                let a = paged_attention(pool, li, s.table, &qs, causal, kvh, mask)?;
                 outs.push(a.transpose(0, 1)?.reshape((t, heads * hd))?);
                 off += t;
             }
