@@ -562,7 +562,8 @@ class KvtierConnector(KVConnectorBase_V1):
         arrangement, backend = _page_arrangement(self._vllm_config, names[0], layers[0])
         self._layers = layers
         in_place = arrangement == KV_PER_BLOCK and all(t.device.type == "cpu" and t.is_contiguous() for t in layers)
-        if not in_place or bool(_extra(self._vllm_config).get("force_staging", False)):
+        extra = _extra(self._vllm_config)
+        if not in_place or bool(extra.get("force_staging", False)):
             self._staging = PageStaging(layers, arrangement)
         self._flusher = _Flusher(self._ns)
         if rank == 0:
@@ -571,7 +572,7 @@ class KvtierConnector(KVConnectorBase_V1):
             "kvtier: worker rank %d on namespace %s (%s), %d layers of %d pages, %s backend, %s",
             rank,
             self._ns.name,
-            _store(_extra(self._vllm_config)).cache_dir,
+            _store(extra).cache_dir,
             len(layers),
             layers[0].shape[0],
             backend,

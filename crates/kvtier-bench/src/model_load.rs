@@ -112,6 +112,7 @@ fn load_host(dir: &Path, cfg: &LoaderConfig, verify: bool) -> Result<Loaded> {
     if verify {
         for shard in &shards {
             let header = shard.header();
+            let mut check = FileCheck::open(shard.path())?;
             for info in &header.tensors {
                 let Some(view) = shard.tensor(&info.name) else {
                     fail!(
@@ -121,7 +122,7 @@ fn load_host(dir: &Path, cfg: &LoaderConfig, verify: bool) -> Result<Loaded> {
                     );
                 };
                 let start = header.data_start() + info.data_offsets.0;
-                verify_range(shard.path(), start, view.data.len() as u64, |at, buf| {
+                check.range(start, view.data.len() as u64, |at, buf| {
                     let from = (at - start) as usize;
                     buf.copy_from_slice(&view.data[from..from + buf.len()]);
                     Ok(())
@@ -158,7 +159,7 @@ fn load_gpu(
         for shard in &load.shards {
             // The device memory holds the whole file: header and tensors.
             let memory = shard.memory();
-            verify_range(shard.path(), 0, memory.len() as u64, |at, buf| {
+            FileCheck::open(shard.path())?.range(0, memory.len() as u64, |at, buf| {
                 let from = at as usize;
                 stream
                     .memcpy_dtoh(&memory.slice(from..from + buf.len()), buf)
@@ -192,45 +193,73 @@ fn load_gpu(
 /// the size of a shard or a tensor.
 const VERIFY_PIECE: u64 = 64 << 20;
 
-/// Compares `len` loaded bytes that belong at `offset` of the file at
-/// `path` with the file, read plainly, a piece at a time: `loaded(at, buf)`
-/// fills `buf` with the loaded bytes of file offset `at`. The error names
-/// the first byte that differs.
-fn verify_range(
-    path: &Path,
-    offset: u64,
-    len: u64,
-    mut loaded: impl FnMut(u64, &mut [u8]) -> Result<()>,
-) -> Result<()> {
-    use std::os::unix::fs::FileExt;
-    let file = std::fs::File::open(path)
-        .with_step(|| format!("cannot open {} to verify it", path.display()))?;
-    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-    let end = offset.checked_add(len).filter(|&end| end <= size);
-    let Some(end) = end else {
-        fail!(
-            "{}: {len} loaded bytes at offset {offset} lie past the file's end ({size} bytes)",
-            path.display()
-        );
-    };
-    let piece = len.min(VERIFY_PIECE) as usize;
-    let (mut want, mut got) = (vec![0u8; piece], vec![0u8; piece]);
-    let mut at = offset;
-    while at < end {
-        let n = (end - at).min(VERIFY_PIECE) as usize;
-        file.read_exact_at(&mut want[..n], at)
-            .with_step(|| format!("cannot read {} to verify it", path.display()))?;
-        loaded(at, &mut got[..n])?;
-        if let Some(i) = want[..n].iter().zip(&got[..n]).position(|(a, b)| a != b) {
-            fail!(
-                "{}: the loaded bytes differ from the file at offset {}",
-                path.display(),
-                at + i as u64
-            );
-        }
-        at += n as u64;
+/// The reference side of `--verify`: one shard file, opened once and read
+/// plainly a piece at a time into buffers kept across its ranges.
+struct FileCheck<'a> {
+    path: &'a Path,
+    file: std::fs::File,
+    size: u64,
+    want: Vec<u8>,
+    got: Vec<u8>,
+}
+
+impl<'a> FileCheck<'a> {
+    fn open(path: &'a Path) -> Result<Self> {
+        let file = std::fs::File::open(path)
+            .with_step(|| format!("cannot open {} to verify it", path.display()))?;
+        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        Ok(Self {
+            path,
+            file,
+            size,
+            want: Vec::new(),
+            got: Vec::new(),
+        })
     }
-    Ok(())
+
+    /// Compares `len` loaded bytes that belong at `offset` of the file with
+    /// it: `loaded(at, buf)` fills `buf` with the loaded bytes of file
+    /// offset `at`. The error names the first byte that differs.
+    fn range(
+        &mut self,
+        offset: u64,
+        len: u64,
+        mut loaded: impl FnMut(u64, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let path = self.path;
+        let end = offset.checked_add(len).filter(|&end| end <= self.size);
+        let Some(end) = end else {
+            fail!(
+                "{}: {len} loaded bytes at offset {offset} lie past the file's end ({} bytes)",
+                path.display(),
+                self.size
+            );
+        };
+        let piece = len.min(VERIFY_PIECE) as usize;
+        if self.want.len() < piece {
+            self.want.resize(piece, 0);
+            self.got.resize(piece, 0);
+        }
+        let mut at = offset;
+        while at < end {
+            let n = (end - at).min(VERIFY_PIECE) as usize;
+            let (want, got) = (&mut self.want[..n], &mut self.got[..n]);
+            self.file
+                .read_exact_at(want, at)
+                .with_step(|| format!("cannot read {} to verify it", path.display()))?;
+            loaded(at, got)?;
+            if let Some(i) = want.iter().zip(got.iter()).position(|(a, b)| a != b) {
+                fail!(
+                    "{}: the loaded bytes differ from the file at offset {}",
+                    path.display(),
+                    at + i as u64
+                );
+            }
+            at += n as u64;
+        }
+        Ok(())
+    }
 }
 
 /// Bytes this process has read from storage so far (`None` when
@@ -395,22 +424,32 @@ mod tests {
                 Ok(())
             }
         };
-        assert!(verify_range(&path, 2, 3, from(&[3, 4, 5], 2)).is_ok());
-        let e = verify_range(&path, 1, 3, from(&[2, 3, 9], 1))
+        assert!(
+            FileCheck::open(&path)
+                .unwrap()
+                .range(2, 3, from(&[3, 4, 5], 2))
+                .is_ok()
+        );
+        let e = FileCheck::open(&path)
+            .unwrap()
+            .range(1, 3, from(&[2, 3, 9], 1))
             .unwrap_err()
             .to_string();
         assert!(e.contains("differ from the file at offset 3"), "{e}");
-        let e = verify_range(&path, 4, 3, from(&[5, 6, 7], 4))
+        let e = FileCheck::open(&path)
+            .unwrap()
+            .range(4, 3, from(&[5, 6, 7], 4))
             .unwrap_err()
             .to_string();
         assert!(e.contains("past the file's end (6 bytes)"), "{e}");
-        let e = verify_range(&path, u64::MAX, 1, from(&[1], 0))
+        let e = FileCheck::open(&path)
+            .unwrap()
+            .range(u64::MAX, 1, from(&[1], 0))
             .unwrap_err()
             .to_string();
         assert!(e.contains("past the file's end"), "{e}");
-        let e = verify_range(&dir.path().join("gone"), 0, 1, from(&[1], 0))
-            .unwrap_err()
-            .to_string();
+        let gone = dir.path().join("gone");
+        let e = FileCheck::open(&gone).err().unwrap().to_string();
         assert!(e.contains("cannot open"), "{e}");
     }
 
@@ -422,8 +461,9 @@ mod tests {
         let mut data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
         std::fs::write(&path, &data).unwrap();
         let mut pieces = 0;
+        let mut file = FileCheck::open(&path).unwrap();
         let mut check = |data: &[u8]| {
-            verify_range(&path, 0, len as u64, |at, buf| {
+            file.range(0, len as u64, |at, buf| {
                 pieces += 1;
                 buf.copy_from_slice(&data[at as usize..at as usize + buf.len()]);
                 Ok(())

@@ -658,6 +658,14 @@ impl InplaceOp1 for CopyRows {
 mod tests {
     use super::*;
 
+    /// K of one page of 2 heads x 3 tokens x 4 dims: 0, 1, ..., 23.
+    fn ramp() -> Tensor {
+        Tensor::arange(0f32, 24., &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3, 4))
+            .unwrap()
+    }
+
     #[test]
     fn a_sequence_gets_the_page_after_its_last_when_free_else_the_lowest() {
         let mut pool = KvPool::new(1, 1, 2, 2, 6, &Device::Cpu).unwrap();
@@ -680,10 +688,7 @@ mod tests {
     #[test]
     fn a_page_exported_into_a_buffer_imports_into_another_page_unchanged() {
         let pool = KvPool::new(2, 2, 4, 3, 4, &Device::Cpu).unwrap();
-        let k = Tensor::arange(0f32, 24., &Device::Cpu)
-            .unwrap()
-            .reshape((2, 3, 4))
-            .unwrap();
+        let k = ramp();
         let v = (&k * -1.0).unwrap();
         for layer in 0..2 {
             pool.write(layer, &[1], 0, &k, &v).unwrap();
@@ -756,10 +761,7 @@ mod tests {
     #[test]
     fn a_coded_page_comes_back_within_its_codec_bound() {
         let pool = KvPool::new(2, 2, 4, 3, 4, &Device::Cpu).unwrap();
-        let k = Tensor::arange(0f32, 24., &Device::Cpu)
-            .unwrap()
-            .reshape((2, 3, 4))
-            .unwrap();
+        let k = ramp();
         let k = ((k - 11.5).unwrap() * 0.3).unwrap();
         let v = (&k * -2.0).unwrap();
         for layer in 0..2 {
@@ -803,10 +805,7 @@ mod tests {
         // placed by slice_set), run on CPU tensors against the in-place
         // path, with and without a codec, one layer and a run of layers.
         let pool = KvPool::new(3, 2, 4, 3, 4, &Device::Cpu).unwrap();
-        let k = Tensor::arange(0f32, 24., &Device::Cpu)
-            .unwrap()
-            .reshape((2, 3, 4))
-            .unwrap();
+        let k = ramp();
         for layer in 0..3 {
             let kl = ((&k - 7.0).unwrap() * (0.25 + layer as f64)).unwrap();
             pool.write(layer, &[1], 0, &kl, &(&kl * -0.5).unwrap())

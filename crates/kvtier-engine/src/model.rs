@@ -324,16 +324,14 @@ impl Model {
                     start: s.start,
                     window: layer.window.and(window),
                 };
-                let mask = match &mut masks[si][usize::from(causal.window.is_some())] {
-                    _ if self.device.is_cpu() => None,
-                    Some(m) => Some(&*m),
-                    slot => Some(&*slot.insert(causal_mask(
-                        s.start,
-                        t,
-                        keys,
-                        causal.window,
-                        &self.device,
-                    )?)),
+                let mask = if self.device.is_cpu() {
+                    None
+                } else {
+                    let slot = &mut masks[si][usize::from(causal.window.is_some())];
+                    if slot.is_none() {
+                        *slot = Some(causal_mask(s.start, t, keys, causal.window, &self.device)?);
+                    }
+                    slot.as_ref()
                 };
                 let a = paged_attention(pool, li, s.table, &qs, causal, kvh, mask)?;
                 outs.push(a.transpose(0, 1)?.reshape((t, heads * hd))?);
