@@ -4,6 +4,8 @@
 //! path is the one the tests run; the CUDA path is the same code on a CUDA
 //! device.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::Device;
 
 use crate::EngineError;
@@ -42,6 +44,31 @@ pub(crate) fn bind_to_thread(device: &Device) -> Result<(), EngineError> {
         }
         _ => Ok(()),
     }
+}
+
+/// Set by [`take_device_paths_on_cpu`].
+static DEVICE_PATHS_ON_CPU: AtomicBool = AtomicBool::new(false);
+
+/// Makes the engine take, on the CPU, the code paths it takes on an
+/// accelerator (from now on, process-wide; `false` undoes it): the general
+/// forward pass for decode steps instead of the host one, additive causal
+/// masks and candle's softmax instead of the in-place one, and pages
+/// copied, imported and exported through tensor operations instead of
+/// straight through host memory.
+///
+/// A test aid: CI has no GPU, and this is how the code only a GPU runs is
+/// checked there, against the CPU's own paths (`tests/device_paths.rs`,
+/// a test binary of its own since the switch is global). It does not
+/// exercise what only a GPU does (its kernels, streams, contexts).
+#[doc(hidden)]
+pub fn take_device_paths_on_cpu(on: bool) {
+    DEVICE_PATHS_ON_CPU.store(on, Ordering::Relaxed);
+}
+
+/// True where the engine uses its host-memory fast paths: on the CPU,
+/// unless [`take_device_paths_on_cpu`] said otherwise.
+pub(crate) fn host_paths(device: &Device) -> bool {
+    device.is_cpu() && !DEVICE_PATHS_ON_CPU.load(Ordering::Relaxed)
 }
 
 /// Fixes the engine's CPU thread count for the rest of the process:

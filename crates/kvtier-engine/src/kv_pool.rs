@@ -254,7 +254,9 @@ impl KvPool {
             for (is_v, t) in [(false, &self.mem.k[layer]), (true, &self.mem.v[layer])] {
                 let (storage, tl) = t.storage_and_layout();
                 match (&*storage, tl.contiguous_offsets()) {
-                    (Storage::Cpu(CpuStorage::F32(all)), Some((start, _))) => {
+                    (Storage::Cpu(CpuStorage::F32(all)), Some((start, _)))
+                        if crate::device::host_paths(&self.mem.device) =>
+                    {
                         for h in 0..self.mem.kv_heads {
                             let from = start + self.row(page, h, 0) * self.mem.head_dim;
                             let src = all.get(from..from + head_part).ok_or_else(|| {
@@ -389,7 +391,7 @@ impl KvPool {
         for t in self.mem.k.iter().chain(&self.mem.v) {
             for h in 0..self.mem.kv_heads {
                 let (from, to) = (self.row(src, h, 0), self.row(dst, h, 0));
-                if self.mem.device.is_cpu() {
+                if crate::device::host_paths(&self.mem.device) {
                     t.inplace_op1(&CopyRows {
                         from: from * self.mem.head_dim,
                         to: to * self.mem.head_dim,
@@ -406,8 +408,6 @@ impl KvPool {
         Ok(())
     }
 
-    /// Checks that a payload of `len` bytes fits a page; returns the bytes
-    /// of one layer's K (or V) part.
     /// Checks that `layout` is this pool's page (any codec) and `len` its
     /// stored payload; returns the logical bytes of one head's run of one
     /// part (`block_tokens * head_dim` f32).
@@ -477,7 +477,7 @@ impl PageWriter {
                 self.k.len()
             )));
         }
-        if !self.device.is_cpu() {
+        if !crate::device::host_paths(&self.device) {
             return self.import_to_device(page, &one, layers, stored);
         }
         let run = (self.block_tokens * self.head_dim * 4) as u64;

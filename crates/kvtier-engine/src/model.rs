@@ -324,7 +324,7 @@ impl Model {
                     start: s.start,
                     window: layer.window.and(window),
                 };
-                let mask = if self.device.is_cpu() {
+                let mask = if crate::device::host_paths(&self.device) {
                     None
                 } else {
                     let slot = &mut masks[si][usize::from(causal.window.is_some())];

@@ -42,7 +42,7 @@ impl Model {
         gate: LayerGate<'_>,
     ) -> Result<Option<Tensor>, EngineError> {
         let m = segs.len();
-        if !self.device.is_cpu()
+        if !crate::device::host_paths(&self.device)
             || m == 0
             || m > gemv::MAX_ROWS
             || segs.iter().any(|s| s.tokens.len() != 1)
