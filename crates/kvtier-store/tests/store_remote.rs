@@ -8,10 +8,16 @@
 
 mod common;
 
+use std::alloc::Layout;
 use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
+use kvtier_io::buffer::SystemAllocator;
+use kvtier_io::{HostAllocator, IoEngine};
 use kvtier_store::remote::{BreakerConfig, BreakerState};
 use kvtier_store::{KeyChain, RemoteConfig, StoreConfig, Tier, TieredStore};
 use kvtier_testkit::{RedisCluster, RedisServer, S3Server};
@@ -589,4 +595,85 @@ fn a_slow_pool_times_out_into_misses_and_is_used_again_when_it_answers() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_all_hits(&ks, &b.get_many(&ks));
+}
+
+/// The system allocator, counting the block-sized buffers it hands out
+/// each way; a buffer asked for overwrite comes filled with 0xAB, as a
+/// recycled buffer comes with its old bytes.
+#[derive(Debug, Default)]
+struct Dirty {
+    for_overwrite: AtomicUsize,
+    zeroed: AtomicUsize,
+}
+
+impl Dirty {
+    fn count(&self, layout: Layout, counter: &AtomicUsize) {
+        if layout.size() == SLOT as usize {
+            counter.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+// SAFETY: delegates to the system allocator (a buffer for overwrite may
+// hold any initialised bytes).
+unsafe impl HostAllocator for Dirty {
+    fn allocate_zeroed(&self, layout: Layout) -> Option<NonNull<u8>> {
+        self.count(layout, &self.zeroed);
+        SystemAllocator.allocate_zeroed(layout)
+    }
+
+    fn allocate_for_overwrite(&self, layout: Layout) -> Option<NonNull<u8>> {
+        self.count(layout, &self.for_overwrite);
+        let p = SystemAllocator.allocate_zeroed(layout)?;
+        // SAFETY: a fresh allocation of `layout.size()` bytes.
+        unsafe { std::ptr::write_bytes(p.as_ptr(), 0xAB, layout.size()) };
+        Some(p)
+    }
+
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: allocated above with this layout.
+        unsafe { SystemAllocator.deallocate(ptr, layout) }
+    }
+
+    fn name(&self) -> &'static str {
+        "dirty"
+    }
+}
+
+#[test]
+fn a_g4_only_store_warms_its_read_buffers_and_reads_whole_blocks_into_dirty_ones() {
+    let redis = RedisServer::start().unwrap();
+    let ks = keys(0..8);
+    let a = remote_store(None, RemoteConfig::new(redis.url()));
+    put(&a, &ks);
+    a.flush().unwrap();
+
+    // No G3: G4 reads are what the warmed buffers are for.
+    let dirty = Arc::new(Dirty::default());
+    let mut c = store_config(None, 16, 0);
+    c.remote = Some(RemoteConfig::new(redis.url()));
+    c.warm_read_buffers = true;
+    let alloc: Arc<dyn HostAllocator> = dirty.clone();
+    let b = TieredStore::open_with(c, IoEngine::shared().clone(), alloc).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while dirty.for_overwrite.load(Ordering::SeqCst) < 16 {
+        assert!(
+            Instant::now() < deadline,
+            "{} block buffers warmed, want at least the 16 G2 holds",
+            dirty.for_overwrite.load(Ordering::SeqCst)
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    // Values shorter than a block (no disk padding), each read into a
+    // buffer full of old bytes: whole and exact, none zeroed first.
+    let zeroed = dirty.zeroed.load(Ordering::SeqCst);
+    let tiers = assert_all_hits(&ks, &b.get_many(&ks));
+    assert!(tiers.iter().all(|&t| t == Tier::G4), "{tiers:?}");
+    assert_eq!(b.metrics().g4.corrupt_blocks.get(), 0);
+    assert_eq!(
+        dirty.zeroed.load(Ordering::SeqCst),
+        zeroed,
+        "a G4 read zero-filled a block buffer it overwrites"
+    );
 }

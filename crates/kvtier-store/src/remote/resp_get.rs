@@ -184,7 +184,9 @@ impl Conn {
             self.exact(&mut crlf, shown).await?;
             return Ok(Some(AlignedBuf::empty()));
         }
-        let mut buf = AlignedBuf::zeroed_in(alloc, slot, DIRECT_IO_ALIGN)
+        // Not zeroed: the read overwrites the value's bytes and
+        // `Landing::check` zeroes the rest of the slot.
+        let mut buf = AlignedBuf::for_overwrite_in(alloc, slot, DIRECT_IO_ALIGN)
             .map_err(|e| err(shown, format!("no memory for a block: {e}")))?;
         self.exact(&mut buf[..len], shown).await?;
         self.exact(&mut crlf, shown).await?;

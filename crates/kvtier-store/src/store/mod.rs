@@ -99,7 +99,7 @@ pub struct StoreConfig {
     /// set, `memory_bytes` is ignored and G2 counters are the shared ones.
     pub shared_memory: Option<SharedMemory>,
     /// Fault in, on a background thread right after the store opens, the
-    /// buffers G3 reads will take (as many as the G2 budget holds, plus the
+    /// buffers G3 and G4 reads will take (as many as the G2 budget holds, plus the
     /// reads in flight), so a restore reads into resident memory instead of
     /// faulting fresh pages in on the cores others compute on
     /// (`warm_buffers.rs`). Commits the G2 budget's memory at open (a
@@ -311,9 +311,6 @@ impl TieredStore {
                     metrics.g3.clone(),
                 )?);
                 metrics.set_io_mode(Tier::G3, engine.backend().name(), disk.direct());
-                if let Some(count) = warm {
-                    warm_buffers::warm_in_background(alloc.clone(), disk.slot_bytes(), count);
-                }
                 Some(WriteBack::open(
                     disk,
                     memory.clone(),
@@ -325,6 +322,14 @@ impl TieredStore {
             }
             None => None,
         };
+        // G3 and G4 reads land in buffers of one size (a block's encoded
+        // bytes, G3's slot), kept by G2 after the read.
+        if let Some(count) = warm
+            && (write_back.is_some() || config.remote.is_some())
+        {
+            let slot = usize::try_from(spec.layout.encoded_bytes()).unwrap_or(usize::MAX);
+            warm_buffers::warm_in_background(alloc.clone(), slot, count);
+        }
         let admission = config
             .admit_on_second_sighting
             .then(|| Mutex::new(SecondSighting::new(config.admission_window)));
