@@ -99,9 +99,9 @@ pub struct StoreConfig {
     /// set, `memory_bytes` is ignored and G2 counters are the shared ones.
     pub shared_memory: Option<SharedMemory>,
     /// Fault in, on a background thread right after the store opens, the
-    /// buffers G3 and G4 reads will take (as many as the G2 budget holds, plus the
-    /// reads in flight), so a restore reads into resident memory instead of
-    /// faulting fresh pages in on the cores others compute on
+    /// buffers G3 and G4 reads will take (as many as the G2 budget holds,
+    /// plus the reads in flight), so a restore reads into resident memory
+    /// instead of faulting fresh pages in on the cores others compute on
     /// (`warm_buffers.rs`). Commits the G2 budget's memory at open (a
     /// shared G2's whole budget for each store that asks: turn it on for
     /// one). Default false; the engine turns it on.

@@ -2,8 +2,8 @@
 //! ([`StoreConfig::warm_read_buffers`](super::StoreConfig::warm_read_buffers)).
 //!
 //! A G3 or G4 hit is read into a buffer from the store's recycling
-//! allocator and then kept by G2, so until G2 is full every restore reads into fresh
-//! memory, and the kernel faults it in on the reading thread. On the
+//! allocator and then kept by G2, so until G2 is full every restore reads
+//! into fresh memory, and the kernel faults it in on the reading thread. On the
 //! reference VM fresh memory faults in at 1.4-1.8 GB/s: a 4,096-token
 //! prefix of the `small` preset (64 MiB) cost its reader threads about
 //! 46 ms of CPU, taken from the cores the decode step was using, and the
