@@ -98,6 +98,35 @@ fn read_prefix_async_gives_the_same_blocks_and_wakes_its_caller() {
     assert!(handle.is_done());
 }
 
+#[test]
+fn a_store_closed_once_its_async_read_is_done_reopens_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = || store_config(Some(dir.path()), 256, 64);
+    let store = open(config());
+    let ks = keys(0..4);
+    put(&store, &ks);
+    store.evict_memory().unwrap();
+
+    // The callback holds the reader thread until the store is reopened:
+    // the read's job must not keep the store (and its directory's owner
+    // lock) past telling its caller it is done.
+    let (done_tx, done_rx) = mpsc::channel();
+    let (reopened_tx, reopened_rx) = mpsc::channel::<()>();
+    let handle = store.read_prefix_async(ks.clone(), move || {
+        let _ = done_tx.send(());
+        let _ = reopened_rx.recv_timeout(Duration::from_secs(30));
+    });
+    done_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("notified when done");
+    assert_eq!(handle.wait().expect("finished").len(), 4);
+    drop(store);
+    let again = kvtier_store::TieredStore::open(config());
+    let _ = reopened_tx.send(());
+    let again = again.expect("reopened while the read's thread was still in its callback");
+    assert_eq!(again.read_prefix(&ks).len(), 4);
+}
+
 /// Fills a block the way an engine exports a page: straight into the
 /// store's buffer.
 fn filled(store: &kvtier_store::TieredStore, key: &BlockKey) -> kvtier_store::BlockBuf {

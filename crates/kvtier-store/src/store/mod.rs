@@ -704,6 +704,10 @@ impl TieredStore {
                     .into_iter()
                     .map_while(Found::into_hit)
                     .collect();
+                // Let go of the store before the caller is told: one that
+                // then closes its store (and reopens the directory) must
+                // find it closed, not held a moment longer by this job.
+                drop(store);
                 completer.complete(blocks);
             }
         });
