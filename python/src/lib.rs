@@ -12,8 +12,7 @@
 //! * `py_checkpoint`: `save_checkpoint` and `load_checkpoint`, the
 //!   crash-safe checkpoint writer and its verified loader;
 //! * `array_input`: reading the bytes of numpy arrays handed in;
-//! * `py_error`: every Rust error as a `kvtier.errors` exception.
-//!
+//! * `py_error`: every Rust error as a `kvtier.errors` exception;
 //! * `py_device`: `device_read_gbps`, the device's read limit for the
 //!   benchmarks;
 //! * `py_store`: `Store`, `Namespace`, `Layout`, `Transfer`,

@@ -1,6 +1,7 @@
 //! The one check every block passes before any tier serves it: both
-//! checksums and the header's own rules ([`decode_block`](crate::block::decode_block)), the key asked
-//! for, the reader's layout and, where the reader knows it, its model.
+//! checksums and the header's own rules
+//! ([`decode_block`](crate::block::decode_block)), the key asked for, the
+//! reader's layout and, where the reader knows it, its model.
 //!
 //! G3 runs it as each read completes, G4 where each value lands; a block
 //! that fails is a miss, deleted from its tier, never served. G2 holds only
