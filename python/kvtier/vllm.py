@@ -55,8 +55,11 @@ Decisions (where vLLM leaves a choice):
 - **What is saved.** The full blocks of a request's prompt, once the request
   finishes (its blocks are held until the save has copied them, through
   ``request_finished`` -> ``get_finished``). Saves copy pages on kvtier's
-  threads, off vLLM's step; a finished save is flushed to G3 in the
-  background so it survives a restart.
+  threads, off vLLM's step; each save is written on to G3 as soon as its
+  copy is done, so it survives a restart or a kill moments later. vLLM
+  kills its engine at once on SIGTERM unless started with
+  ``--shutdown-timeout N``; a save still being copied then is lost (and
+  recomputed next time), never served torn.
 - **Layer pipelining.** Not here. A block is checksummed whole, so a layer
   cannot be verified before all of its block has landed. kvtier's own
   engine computes on landed layers anyway and drops that step's work if a
@@ -85,6 +88,7 @@ import array
 import hashlib
 import json
 import os
+import queue
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
@@ -647,7 +651,10 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
         for job in meta.saves:
-            self._saves[job.req_id] = self._start(job, save=True)
+            r = self._start(job, save=True)
+            self._saves[job.req_id] = r
+            if self._flusher is not None:
+                self._flusher.add(r.transfer)
         meta.saves = []
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -673,8 +680,6 @@ class KvtierConnector(KVConnectorBase_V1):
                     logger.warning(
                         "kvtier: %d blocks of request %s not saved: %s", len(failed), req_id, failed[0]
                     )
-                if self._flusher is not None and stored:
-                    self._flusher.poke()
                 sending.add(req_id)
         return sending or None, recving or None
 
@@ -706,7 +711,10 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        """Waits for loads and saves in flight, then writes G2 to G3."""
+        """Waits for loads and saves in flight, then writes G2 to G3. vLLM
+        calls it on a stop it lets finish (``--shutdown-timeout`` above 0);
+        one that kills the worker first loses only the saves still being
+        copied (see :class:`_Flusher`)."""
         for r in list(self._loads.values()) + list(self._saves.values()):
             r.transfer.wait()
         self._loads.clear()
@@ -717,38 +725,49 @@ class KvtierConnector(KVConnectorBase_V1):
             self._server.close()
         if self._ns is not None:
             self._ns.flush()
+            logger.info("kvtier: stopped; every saved block is in G3 (namespace %s)", self._ns.name)
 
 
 class _Flusher:
-    """Writes saved blocks from G2 to G3 in the background (the store keeps
-    a block in G2 until it is evicted or flushed; a restart would lose it).
-    ``poke`` after a save; one flush covers every save before it."""
+    """Makes saves durable: a thread that waits for each save's copy into
+    the store (G2, where a block stays until evicted or flushed) and then
+    writes G2 to G3, so a saved block survives a restart moments after its
+    copy is done. It does not wait for vLLM: vLLM runs no step once its last
+    request is done (a save of that request is then never reported), and by
+    default it kills its engine at once on SIGTERM (``--shutdown-timeout
+    0``), before :meth:`KvtierConnector.shutdown` can flush. One flush
+    covers every save queued before it."""
 
     def __init__(self, ns: Namespace) -> None:
         self._ns = ns
-        self._wake = threading.Event()
-        self._stop = False
+        self._queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvtier-flush", daemon=True)
         self._thread.start()
 
-    def poke(self) -> None:
-        self._wake.set()
+    def add(self, save: Transfer) -> None:
+        """Flushes once ``save`` is done."""
+        self._queue.put(save)
 
     def _run(self) -> None:
-        while not self._stop:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stop:
-                return
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get())
+            stop = any(t is None for t in batch)
+            # wait() releases the GIL, and may be called again by get_finished.
+            stored = sum(r.status == "stored" for t in batch if t is not None for r in t.wait() or [])
+            if not stored:
+                continue
             try:
                 self._ns.flush()  # releases the GIL while it writes
             except Exception as e:  # noqa: BLE001 - a failed flush leaves blocks in G2, logged
                 logger.warning("kvtier: flush to G3 failed: %s", e)
 
-    def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=60)
+    def stop(self, timeout: float = 60) -> None:
+        """Flushes every save queued so far, then ends the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout=timeout)
 
 
 _STAT_KEYS = ("blocks_loaded", "blocks_load_failed", "blocks_saved", "blocks_save_failed", "load_s", "save_s")

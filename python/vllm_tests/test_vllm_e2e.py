@@ -49,6 +49,8 @@ class Observed:
     #: Counter deltas around a request: name -> vLLM metric -> delta.
     deltas: dict[str, dict[str, float]] = field(default_factory=dict)
     corrupted: tuple[str, int] | None = None
+    #: The first server's log lines saying the connector shut down.
+    clean_stop: list[str] = field(default_factory=list)
     g4_keys: int = 0
     #: Per server log, how its worker said it copies pages.
     copy_modes: dict[str, str] = field(default_factory=dict)
@@ -83,14 +85,21 @@ def _redis_keys(port: int) -> int:
     return int(line.strip().lstrip(":"))
 
 
-def _corrupt(cache_dir: Path, model: str, tokens: list[int], block: int) -> tuple[str, int]:
+def _log_lines(log: Path, needle: str) -> list[str]:
+    return [l for l in log.read_text(errors="replace").splitlines() if needle in l]
+
+
+def _corrupt(cache_dir: Path, model: str, tokens: list[int], block: int, log: Path) -> tuple[str, int]:
     """Flips one payload byte of ``block`` of ``tokens`` in the G3 of
-    ``cache_dir`` (no vLLM running on it). Returns (file, slot offset)."""
+    ``cache_dir`` (no vLLM running on it; ``log`` is its last server's).
+    Returns (file, slot offset)."""
     store = Store(str(cache_dir))
     ns = store.namespace(Layout.vllm_cpu(4, 2, 64), fingerprint=model_fingerprint(model))
     key = ns.token_keys(tokens)[block]
     where = ns.locate(key)
-    assert where is not None, "block to corrupt is not on disk"
+    if where is None:
+        said = "\n".join(_log_lines(log, "kvtier") + _log_lines(log, "[shutdown]"))
+        raise AssertionError(f"block to corrupt is not on disk; the server said:\n{said}")
     path, offset = where
     del ns, store
     gc.collect()
@@ -122,13 +131,15 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -
         for k, p in PROMPTS.items():
             obs.reference[k] = s0.complete(p).text
         tokens_c = s0.tokenize(PROMPTS["C"])
-    # S1: computes and saves A, B (salt s1), C; stops cleanly.
-    with VllmServer(model, logs / "s1.log", kvtier(x)) as s1:
+    # S1: computes and saves A, B (salt s1), C; stops cleanly: vLLM lets
+    # its worker shut down (by default it kills it at once on SIGTERM).
+    with VllmServer(model, logs / "s1.log", kvtier(x), extra_args=["--shutdown-timeout", "60"]) as s1:
         s1.complete(WARMUP)
         _observe(obs, s1, "A fresh", PROMPTS["A"])
         _observe(obs, s1, "B s1 fresh", PROMPTS["B"], salt="s1")
         _observe(obs, s1, "C fresh", PROMPTS["C"])
-    obs.corrupted = _corrupt(x, model, tokens_c, CORRUPT_BLOCK)
+    obs.clean_stop = _log_lines(logs / "s1.log", "kvtier: stopped; every saved block is in G3")
+    obs.corrupted = _corrupt(x, model, tokens_c, CORRUPT_BLOCK, logs / "s1.log")
     # S2: restarted on the same cache.
     s2 = VllmServer(model, logs / "s2.log", kvtier(x))
     try:
@@ -147,6 +158,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -
         s3.complete(WARMUP)
         _observe(obs, s3, "D after kill", PROMPTS["D"])
         _observe(obs, s3, "A after kill", PROMPTS["A"])
+        _observe(obs, s3, "B s2 after kill", PROMPTS["B"], salt="s2")
     # S4 and S5: their own G2/G3, one G4.
     with RedisServer() as redis:
         with VllmServer(model, logs / "s4.log", kvtier(y, remote=redis.url, force_staging=True)) as s4:
@@ -161,7 +173,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -
                 s5.complete(WARMUP)
                 _observe(obs, s5, "E node 2", PROMPTS["E"])
     for name in ("s1", "s4", "s5"):
-        lines = [l for l in (logs / f"{name}.log").read_text(errors="replace").splitlines() if "kvtier: worker rank" in l]
+        lines = _log_lines(logs / f"{name}.log", "kvtier: worker rank")
         obs.copy_modes[name] = lines[-1] if lines else ""
     obs.figures = {
         "ttft_fresh_s": obs.replies["A fresh"].ttft_s,
@@ -223,13 +235,23 @@ def test_cache_salts_never_share_a_prefix(scenario: Observed) -> None:
     assert scenario.replies["B s1 restored"].text == scenario.reference["B"]
 
 
+def test_a_clean_stop_shuts_the_connector_down(scenario: Observed) -> None:
+    # Given the time (--shutdown-timeout), vLLM's worker calls the
+    # connector's shutdown, which waits for the saves and writes G2 to G3
+    # (the restart test then restores what it wrote).
+    assert len(scenario.clean_stop) == 1, scenario.clean_stop
+
+
 def test_kill_9_while_saving_keeps_outputs_identical(scenario: Observed) -> None:
     assert scenario.replies["D before kill"].text == scenario.reference["D"]
     assert scenario.replies["D after kill"].text == scenario.reference["D"]
-    # What was on disk before the kill is still served.
+    # What was on disk before the kill is still served: A, from the server
+    # before, and B with salt s2, computed and saved by the killed server
+    # (written on to G3 once saved, no stop needed).
     assert ext_hits(scenario, "A after kill") > 0
     assert scenario.replies["A after kill"].text == scenario.reference["A"]
-
+    assert ext_hits(scenario, "B s2 after kill") > 0
+    assert scenario.replies["B s2 after kill"].text == scenario.reference["B"]
 
 
 def test_outputs_depend_on_the_prompt(scenario: Observed) -> None:

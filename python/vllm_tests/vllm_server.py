@@ -211,9 +211,12 @@ class VllmServer:
         self.proc.wait()
         # The engine core and workers share the session; wait until none
         # is left, so their memory and sockets are gone.
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _session_alive(self.proc.pid):
-            time.sleep(0.2)
+        deadline = time.monotonic() + 60
+        while _session_alive(self.proc.pid):
+            if time.monotonic() > deadline:
+                self._out.close()
+                raise RuntimeError(f"vLLM's processes (session {self.proc.pid}) live 60 s after SIGKILL")
+            time.sleep(0.1)
         self._out.close()
 
     def __enter__(self) -> VllmServer:
@@ -224,15 +227,22 @@ class VllmServer:
 
 
 def _session_alive(sid: int) -> bool:
+    """True while a process of session ``sid`` lives. A process whose main
+    thread is already a zombie still holds its files (and their locks, a
+    G3's owner lock among them) until its last thread has exited: a thread
+    in a disk write finishes the write first, SIGKILL or not."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
+            # After ")": state, ppid, pgrp, session.
             fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) != sid:
+                continue
+            states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in (d / "task").iterdir()]
         except OSError:
             continue
-        # After ")": state, ppid, pgrp, session.
-        if int(fields[3]) == sid and fields[0] != "Z":
+        if any(s not in ("Z", "X") for s in [fields[0], *states]):
             return True
     return False
 
