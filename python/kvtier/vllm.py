@@ -77,6 +77,9 @@ Decisions (where vLLM leaves a choice):
   converted to the CPU backend's form on the device on the way: every
   backend stores the same bytes, so GPU and CPU workers of one model share
   KV. A backend whose page form kvtier does not know is refused at start.
+- **Threads.** The store's threads, the flusher and the lookup server run
+  on every CPU the process may use, not on the cores vLLM's CPU worker
+  pins its own thread to (they would inherit its pinning).
 - **Tensor parallelism.** Each rank keeps its own shard (the layout carries
   rank and world); the scheduler looks up rank 0's shard, and a rank that
   lacks a block reports it as a load error, so vLLM recomputes it.
@@ -85,6 +88,7 @@ Decisions (where vLLM leaves a choice):
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import json
 import os
@@ -94,7 +98,7 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -302,6 +306,27 @@ def request_salt(cache_salt: str | None, lora_name: str | None) -> bytes:
 def _salt(request: Request) -> bytes:
     lora = getattr(request, "lora_request", None)
     return request_salt(getattr(request, "cache_salt", None), lora.lora_name if lora else None)
+
+
+@contextlib.contextmanager
+def _all_cpus() -> Iterator[None]:
+    """Lets the calling thread run on every CPU the process may use while
+    threads are started from it, then pins it back. vLLM's CPU worker pins
+    its thread to the cores it computes on (``VLLM_CPU_OMP_THREADS_BIND``)
+    and a thread inherits its creator's CPUs, so the store's reader, writer
+    and io_uring threads shared one core with the model: a restore inside
+    vLLM ran at a third of the store's speed (docs/benchmarks.md). Unpinned,
+    they run where the kernel finds time, as another process's would."""
+    pinned = os.sched_getaffinity(0)
+    try:
+        # The kernel keeps only the CPUs this process's cpuset allows.
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError as e:
+        logger.warning("kvtier: its threads stay on CPUs %s: %s", sorted(pinned), e)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
 
 
 @dataclass
@@ -542,7 +567,13 @@ class KvtierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Takes the per-layer KV tensors (ordered by layer index), opens
         this rank's namespace (checking the tensors against its layout) and,
-        on rank 0, answers the scheduler's lookups."""
+        on rank 0, answers the scheduler's lookups. The threads this starts
+        (the store's, the flusher, the lookup server) may run on every CPU
+        (see :func:`_all_cpus`)."""
+        with _all_cpus():
+            self._register(kv_caches)
+
+    def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.model_executor.models.utils import extract_layer_index
 

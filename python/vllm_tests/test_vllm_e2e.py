@@ -14,6 +14,7 @@ scripts/bench-vllm's job.
 from __future__ import annotations
 
 import gc
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class Observed:
     #: Counter deltas around a request: name -> vLLM metric -> delta.
     deltas: dict[str, dict[str, float]] = field(default_factory=dict)
     corrupted: tuple[str, int] | None = None
+    #: The CPUs each kvtier thread of the first server may run on.
+    thread_cpus: dict[int, set[int]] = field(default_factory=dict)
     #: The first server's log lines saying the connector shut down.
     clean_stop: list[str] = field(default_factory=list)
     g4_keys: int = 0
@@ -138,6 +141,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -
         _observe(obs, s1, "A fresh", PROMPTS["A"])
         _observe(obs, s1, "B s1 fresh", PROMPTS["B"], salt="s1")
         _observe(obs, s1, "C fresh", PROMPTS["C"])
+        obs.thread_cpus = s1.thread_cpus("kvtier-")
     obs.clean_stop = _log_lines(logs / "s1.log", "kvtier: stopped; every saved block is in G3")
     obs.corrupted = _corrupt(x, model, tokens_c, CORRUPT_BLOCK, logs / "s1.log")
     # S2: restarted on the same cache.
@@ -240,6 +244,15 @@ def test_a_clean_stop_shuts_the_connector_down(scenario: Observed) -> None:
     # connector's shutdown, which waits for the saves and writes G2 to G3
     # (the restart test then restores what it wrote).
     assert len(scenario.clean_stop) == 1, scenario.clean_stop
+
+
+def test_kvtier_threads_are_not_pinned_to_the_model_s_core(scenario: Observed) -> None:
+    # vLLM's CPU worker pins its thread to its compute cores, and the
+    # store's threads are started from it: they may still run anywhere.
+    every = os.sched_getaffinity(0)
+    assert len(every) >= 2, "needs two CPUs to tell pinned from not"
+    assert len(scenario.thread_cpus) >= 3, scenario.thread_cpus
+    assert all(cpus == every for cpus in scenario.thread_cpus.values()), scenario.thread_cpus
 
 
 def test_kill_9_while_saving_keeps_outputs_identical(scenario: Observed) -> None:

@@ -191,6 +191,11 @@ class VllmServer:
                 continue
         return out
 
+    def thread_cpus(self, prefix: str) -> dict[int, set[int]]:
+        """The CPUs each thread named ``prefix...`` of the server's
+        processes may run on, by thread id."""
+        return thread_cpus(_session_pids(self.proc.pid), prefix)
+
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM to the whole session (a clean shutdown), SIGKILL after
         ``timeout``."""
@@ -226,23 +231,58 @@ class VllmServer:
         self.stop()
 
 
+def cpu_list(text: str) -> set[int]:
+    """A kernel CPU list (``0-3,6``) as a set."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def thread_cpus(pids: list[int], prefix: str) -> dict[int, set[int]]:
+    """The CPUs each thread of ``pids`` whose name starts with ``prefix``
+    may run on, by thread id."""
+    out: dict[int, set[int]] = {}
+    for pid in pids:
+        for t in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                if not (t / "comm").read_text().startswith(prefix):
+                    continue
+                status = (t / "status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    out[int(t.name)] = cpu_list(line.split(":", 1)[1])
+    return out
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
 def _session_alive(sid: int) -> bool:
     """True while a process of session ``sid`` lives. A process whose main
     thread is already a zombie still holds its files (and their locks, a
     G3's owner lock among them) until its last thread has exited: a thread
     in a disk write finishes the write first, SIGKILL or not."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+    for pid in _session_pids(sid):
         try:
-            # After ")": state, ppid, pgrp, session.
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) != sid:
-                continue
-            states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in (d / "task").iterdir()]
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks]
         except OSError:
             continue
-        if any(s not in ("Z", "X") for s in [fields[0], *states]):
+        if any(s not in ("Z", "X") for s in states):
             return True
     return False
 

@@ -1,0 +1,66 @@
+"""Where the connector's threads may run (kvtier.vllm._all_cpus), on a real
+store without a vLLM process: a thread inherits its creator's CPU affinity,
+and vLLM's CPU worker pins its thread to its compute cores."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier import Layout, Store
+from kvtier.vllm import _all_cpus
+from vllm_server import thread_cpus
+
+LAYOUT = Layout.vllm_cpu(2, 2, 64)
+
+
+def _open_pinned(root: Path, unpinned: bool) -> dict[str, Any]:
+    """On a thread pinned to one CPU (as vLLM's worker thread), opens a
+    store and a namespace, with or without ``_all_cpus``; returns the new
+    kvtier threads' CPUs and the opener's CPUs afterwards."""
+    every = os.sched_getaffinity(0)
+    out: dict[str, Any] = {}
+
+    def opener() -> None:
+        os.sched_setaffinity(0, {min(every)})
+        before = set(thread_cpus([os.getpid()], "kvtier-"))
+        if unpinned:
+            with _all_cpus():
+                store = Store(str(root), g2_bytes=16 << 20, g3_bytes=16 << 20)
+                out["ns"] = store.namespace(LAYOUT, fingerprint="threads")
+        else:
+            store = Store(str(root), g2_bytes=16 << 20, g3_bytes=16 << 20)
+            out["ns"] = store.namespace(LAYOUT, fingerprint="threads")
+        out["opener"] = os.sched_getaffinity(0)
+        # A thread names itself once it runs: wait for the readers' names.
+        deadline = time.monotonic() + 30
+        while not set(thread_cpus([os.getpid()], "kvtier-read")) - before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        now = thread_cpus([os.getpid()], "kvtier-")
+        out["threads"] = {tid: cpus for tid, cpus in now.items() if tid not in before}
+
+    t = threading.Thread(target=opener)
+    t.start()
+    t.join()
+    return out
+
+
+def test_store_threads_started_under_all_cpus_may_run_on_every_cpu(tmp_path: Path) -> None:
+    every = os.sched_getaffinity(0)
+    assert len(every) >= 2, "needs two CPUs to tell pinned from not"
+    one = {min(every)}
+
+    # The premise: opened from a pinned thread, the store's threads are
+    # pinned to its CPU too.
+    pinned = _open_pinned(tmp_path / "pinned", unpinned=False)
+    assert pinned["threads"], "the store started no kvtier threads"
+    assert all(cpus == one for cpus in pinned["threads"].values()), pinned["threads"]
+
+    # Under _all_cpus they may run anywhere, and the opener is pinned back.
+    free = _open_pinned(tmp_path / "free", unpinned=True)
+    assert free["threads"], "the store started no kvtier threads"
+    assert all(cpus == every for cpus in free["threads"].values()), free["threads"]
+    assert free["opener"] == one
