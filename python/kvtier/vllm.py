@@ -766,8 +766,10 @@ class _Flusher:
     copy is done. It does not wait for vLLM: vLLM runs no step once its last
     request is done (a save of that request is then never reported), and by
     default it kills its engine at once on SIGTERM (``--shutdown-timeout
-    0``), before :meth:`KvtierConnector.shutdown` can flush. One flush
-    covers every save queued before it."""
+    0``), before :meth:`KvtierConnector.shutdown` can flush. The store's own
+    periodic sync (``g3_sync_ms``, 1 s) is the backstop; a stop within that
+    second of a save lost it. One flush covers every save queued before
+    it."""
 
     def __init__(self, ns: Namespace) -> None:
         self._ns = ns

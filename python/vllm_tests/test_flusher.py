@@ -23,7 +23,9 @@ def _pages(blocks: int) -> list[torch.Tensor]:
 
 
 def test_saves_reach_g3_once_copied_and_a_stop_writes_the_rest(tmp_path: Path) -> None:
-    store = Store(str(tmp_path), g2_bytes=64 << 20, g3_bytes=64 << 20)
+    # No periodic G3 sync (g3_sync_ms, 1 s by default): only the flusher
+    # writes to G3 here.
+    store = Store(str(tmp_path), g2_bytes=64 << 20, g3_bytes=64 << 20, g3_sync_ms=0)
     ns = store.namespace(LAYOUT, fingerprint="flusher-test")
     layers = _pages(6)
     keys = ns.token_keys(list(range(6 * LAYOUT.block_tokens)))
