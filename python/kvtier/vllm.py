@@ -78,8 +78,9 @@ Decisions (where vLLM leaves a choice):
   backend stores the same bytes, so GPU and CPU workers of one model share
   KV. A backend whose page form kvtier does not know is refused at start.
 - **Threads.** The store's threads, the flusher and the lookup server run
-  on every CPU the process may use, not on the cores vLLM's CPU worker
-  pins its own thread to (they would inherit its pinning).
+  on every CPU the process was given (its parent's), not on the cores
+  vLLM's CPU worker pins its own thread to (they would inherit its
+  pinning).
 - **Tensor parallelism.** Each rank keeps its own shard (the layout carries
   rank and world); the scheduler looks up rank 0's shard, and a rank that
   lacks a block reports it as a load error, so vLLM recomputes it.
@@ -310,17 +311,22 @@ def _salt(request: Request) -> bytes:
 
 @contextlib.contextmanager
 def _all_cpus() -> Iterator[None]:
-    """Lets the calling thread run on every CPU the process may use while
+    """Lets the calling thread run on every CPU the process was given while
     threads are started from it, then pins it back. vLLM's CPU worker pins
     its thread to the cores it computes on (``VLLM_CPU_OMP_THREADS_BIND``)
     and a thread inherits its creator's CPUs, so the store's reader, writer
     and io_uring threads shared one core with the model: a restore inside
     vLLM ran at a third of the store's speed (docs/benchmarks.md). Unpinned,
-    they run where the kernel finds time, as another process's would."""
+    they run where the kernel finds time, as another process's would.
+
+    "Given" is the parent's CPUs (vLLM's engine core, which vLLM does not
+    pin) with this thread's own: a ``taskset`` or cpuset vLLM was started
+    under still holds for kvtier's threads."""
     pinned = os.sched_getaffinity(0)
+    given = set(pinned)
     try:
-        # The kernel keeps only the CPUs this process's cpuset allows.
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        given |= os.sched_getaffinity(os.getppid())
+        os.sched_setaffinity(0, given)
     except OSError as e:
         logger.warning("kvtier: its threads stay on CPUs %s: %s", sorted(pinned), e)
     try:
@@ -569,7 +575,7 @@ class KvtierConnector(KVConnectorBase_V1):
         this rank's namespace (checking the tensors against its layout) and,
         on rank 0, answers the scheduler's lookups. The threads this starts
         (the store's, the flusher, the lookup server) may run on every CPU
-        (see :func:`_all_cpus`)."""
+        the process was given (see :func:`_all_cpus`)."""
         with _all_cpus():
             self._register(kv_caches)
 

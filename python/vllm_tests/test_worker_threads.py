@@ -4,7 +4,10 @@ and vLLM's CPU worker pins its thread to its compute cores."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -64,3 +67,29 @@ def test_store_threads_started_under_all_cpus_may_run_on_every_cpu(tmp_path: Pat
     assert free["threads"], "the store started no kvtier threads"
     assert all(cpus == every for cpus in free["threads"].values()), free["threads"]
     assert free["opener"] == one
+
+
+def test_a_process_started_on_fewer_cpus_keeps_its_threads_on_them(tmp_path: Path) -> None:
+    # As under `taskset -c 0 vllm ...`: a process whose parent runs on one
+    # CPU does not widen its threads past it.
+    every = os.sched_getaffinity(0)
+    assert len(every) >= 2, "needs two CPUs to tell pinned from not"
+    one = {min(every)}
+    script = (
+        "import json, sys; from pathlib import Path; "
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "from test_worker_threads import _open_pinned; "
+        "got = _open_pinned(Path(sys.argv[1]), unpinned=True); "
+        "print(json.dumps({str(t): sorted(c) for t, c in got['threads'].items()}))"
+    )
+    os.sched_setaffinity(0, one)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600
+        )
+    finally:
+        os.sched_setaffinity(0, every)
+    assert run.returncode == 0, run.stderr[-3000:]
+    threads = json.loads(run.stdout.strip().splitlines()[-1])
+    assert threads, "the store started no kvtier threads"
+    assert all(set(cpus) == one for cpus in threads.values()), threads
