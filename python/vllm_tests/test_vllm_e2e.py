@@ -248,7 +248,8 @@ def test_a_clean_stop_shuts_the_connector_down(scenario: Observed) -> None:
 
 def test_kvtier_threads_are_not_pinned_to_the_model_s_core(scenario: Observed) -> None:
     # vLLM's CPU worker pins its thread to its compute cores, and the
-    # store's threads are started from it: they may still run anywhere.
+    # store's threads are started from it: they may still run on every CPU
+    # the server was given (here, all of the test's).
     every = os.sched_getaffinity(0)
     assert len(every) >= 2, "needs two CPUs to tell pinned from not"
     assert len(scenario.thread_cpus) >= 3, scenario.thread_cpus
