@@ -4,6 +4,7 @@ and vLLM's CPU worker pins its thread to its compute cores."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -30,11 +31,7 @@ def _open_pinned(root: Path, unpinned: bool) -> dict[str, Any]:
     def opener() -> None:
         os.sched_setaffinity(0, {min(every)})
         before = set(thread_cpus([os.getpid()], "kvtier-"))
-        if unpinned:
-            with _all_cpus():
-                store = Store(str(root), g2_bytes=16 << 20, g3_bytes=16 << 20)
-                out["ns"] = store.namespace(LAYOUT, fingerprint="threads")
-        else:
+        with _all_cpus() if unpinned else contextlib.nullcontext():
             store = Store(str(root), g2_bytes=16 << 20, g3_bytes=16 << 20)
             out["ns"] = store.namespace(LAYOUT, fingerprint="threads")
         out["opener"] = os.sched_getaffinity(0)
