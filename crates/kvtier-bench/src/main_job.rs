@@ -81,6 +81,9 @@ pub struct MainJobOptions {
     /// Restore an idle engine's prefixes layer by layer
     /// (`EngineOptions::layerwise_restore`; off: `--no-layerwise-restore`).
     pub layerwise_restore: bool,
+    /// How much a restore beside other sessions' decode yields the CPU to
+    /// them (`EngineOptions::restore_yield`; `--restore-yield`).
+    pub restore_yield: f64,
     /// Where the in-process engine runs: `cpu`, or `cuda` / `cuda:N` in a
     /// build with the `cuda` feature.
     pub device: String,
@@ -116,6 +119,7 @@ impl Default for MainJobOptions {
             block_tokens: 256,
             kv_offload_codec: kvtier_store::KvCodec::None,
             layerwise_restore: true,
+            restore_yield: kvtier_engine::DEFAULT_RESTORE_YIELD,
             device: "cpu".into(),
             g2_bytes: 1 << 30,
             g3_bytes: 8 << 30,
@@ -271,6 +275,7 @@ fn in_process(opts: &MainJobOptions) -> Result<InProcess> {
         max_seq_tokens: max_seq.max(2048),
         prefix_reuse: true,
         layerwise_restore: opts.layerwise_restore,
+        restore_yield: opts.restore_yield,
         device: open_device(&opts.device).step("opening the device")?,
         ..Default::default()
     };

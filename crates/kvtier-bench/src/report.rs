@@ -60,6 +60,11 @@ pub struct BenchReport {
     pub config: serde_json::Value,
     /// Prefill tokens per second measured in pass 1 (used for floors).
     pub prefill_tok_s: f64,
+    /// One decode step, seconds: the median gap between output tokens in
+    /// the baseline run at the lowest concurrency. A floor's uncached
+    /// suffix costs at least this (a forward pass reads every weight,
+    /// however few tokens it computes).
+    pub decode_step_s: f64,
     /// Seconds pass 1 took (computing and storing every session's KV).
     pub pass1_s: f64,
     /// When it ran (RFC 3339, UTC).
@@ -177,8 +182,11 @@ impl BenchReport {
             }
         ));
         s.push_str(&format!(
-            "device limit: {:.2} GB/s ({}); prefill {:.0} tok/s\n",
-            self.machine.device_limit_gbps, self.machine.io_mode, self.prefill_tok_s
+            "device limit: {:.2} GB/s ({}); prefill {:.0} tok/s; decode step {:.1} ms\n",
+            self.machine.device_limit_gbps,
+            self.machine.io_mode,
+            self.prefill_tok_s,
+            self.decode_step_s * 1e3
         ));
         s.push_str(&self.accuracy_line());
         s

@@ -120,8 +120,9 @@ pub struct RunSummary {
     /// KV bytes restored, as stored, summed over requests.
     pub restored_bytes: u64,
     /// The byte-moving floor of TTFT p50: restored bytes at the device limit
-    /// plus the uncached suffix at the measured prefill rate (baseline: the
-    /// whole prompt at that rate).
+    /// plus the uncached suffix at the measured prefill rate, and never less
+    /// than one decode step for it (`decode_step_s`; baseline: the whole
+    /// prompt at that rate).
     pub floor_ttft_s: f64,
     /// Prompt tokens served per tier, summed over requests.
     pub hit_tokens: TierTokens,

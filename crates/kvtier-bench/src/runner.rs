@@ -97,6 +97,9 @@ fn run_clients(
 struct Context {
     device_limit_gbps: f64,
     prefill_tok_s: f64,
+    /// One decode step (a forward pass of one token) at the workload's
+    /// context: the least any uncached suffix costs.
+    decode_step_s: f64,
     /// The engine's KV bytes per stored byte (the codec's ratio).
     logical_per_stored: f64,
 }
@@ -129,8 +132,12 @@ fn summarize(
             } else {
                 0.0
             };
-            let compute_s = if ctx.prefill_tok_s > 0.0 {
-                r.prompt_tokens.saturating_sub(cached) as f64 / ctx.prefill_tok_s
+            let uncached = r.prompt_tokens.saturating_sub(cached);
+            let compute_s = if ctx.prefill_tok_s > 0.0 && uncached > 0 {
+                // A forward pass reads every weight however few tokens it
+                // computes: a one-token suffix costs a decode step, not
+                // 1/prefill rate.
+                (uncached as f64 / ctx.prefill_tok_s).max(ctx.decode_step_s)
             } else {
                 0.0
             };
@@ -179,6 +186,26 @@ fn summarize(
         wall_s: wall,
         samples: records,
     }
+}
+
+/// One decode step, seconds: the median gap between a request's output
+/// tokens in the baseline run at the lowest concurrency (one sequence at a
+/// time where the workload has concurrency 1), at the workload's own
+/// context. 0 when no request there made two tokens.
+fn decode_step(raw: &[(Mode, u32, Vec<RequestRecord>, f64, f64)]) -> f64 {
+    let Some((.., recs, _, _)) = raw
+        .iter()
+        .filter(|(m, ..)| *m == Mode::Baseline)
+        .min_by_key(|(_, c, ..)| *c)
+    else {
+        return 0.0;
+    };
+    let steps: Vec<f64> = recs
+        .iter()
+        .filter(|r| r.error.is_none() && r.output_tokens > 1 && r.e2e_s > r.ttft_s)
+        .map(|r| (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) as f64)
+        .collect();
+    percentile(&steps, 50.0).unwrap_or(0.0)
 }
 
 /// Runs the cold-recovery workload and returns the report (gates evaluated,
@@ -249,10 +276,12 @@ pub fn run_cold_recovery(
         }
     }
     let device_limit_gbps = percentile(&limit_samples, 50.0).unwrap_or(0.0);
+    let decode_step_s = decode_step(&raw);
     let (kv_offload_codec, logical_per_stored) = target.kv_form();
     let ctx = Context {
         device_limit_gbps,
         prefill_tok_s,
+        decode_step_s,
         logical_per_stored,
     };
     // Restored answers against recomputed ones, one sequence at a time.
@@ -291,9 +320,85 @@ pub fn run_cold_recovery(
         machine,
         config: serde_json::to_value(cfg).unwrap_or_default(),
         prefill_tok_s,
+        decode_step_s,
         pass1_s,
         started_at,
         kv_offload_codec,
         accuracy,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(prompt: usize, cached: usize, out: usize, ttft: f64, e2e: f64) -> RequestRecord {
+        RequestRecord {
+            prompt_tokens: prompt,
+            hit_tokens: TierTokens {
+                g3: cached,
+                ..Default::default()
+            },
+            output_tokens: out,
+            ttft_s: ttft,
+            e2e_s: e2e,
+            restored_bytes: 1_000_000_000,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_decode_step_is_the_median_token_gap_of_the_least_concurrent_baseline() {
+        let raw = vec![
+            // Concurrency 8 runs slower steps; it must not be the one used.
+            (Mode::Baseline, 8, vec![rec(100, 0, 5, 1.0, 1.8)], 1.0, 0.0),
+            (
+                Mode::Baseline,
+                1,
+                vec![
+                    rec(100, 0, 5, 1.0, 1.4),  // 0.1 s a step
+                    rec(100, 0, 3, 1.0, 1.6),  // 0.3 s a step
+                    rec(100, 0, 9, 1.0, 1.16), // 0.02 s a step
+                    rec(100, 0, 1, 1.0, 1.0),  // one token: no step
+                ],
+                1.0,
+                0.0,
+            ),
+            (Mode::Kvtier, 1, vec![rec(100, 99, 5, 0.1, 0.2)], 1.0, 0.0),
+        ];
+        assert!(
+            (decode_step(&raw) - 0.1).abs() < 1e-9,
+            "{}",
+            decode_step(&raw)
+        );
+        assert_eq!(decode_step(&raw[2..]), 0.0, "no baseline: no step");
+    }
+
+    #[test]
+    fn a_one_token_suffix_costs_at_least_a_decode_step_in_the_floor() {
+        let ctx = Context {
+            device_limit_gbps: 2.0,
+            prefill_tok_s: 1000.0,
+            decode_step_s: 0.05,
+            logical_per_stored: 1.0,
+        };
+        let floor = |r: RequestRecord| {
+            summarize(
+                Mode::Kvtier,
+                1,
+                vec![r],
+                1.0,
+                0.0,
+                &CostModel::default(),
+                &ctx,
+            )
+            .floor_ttft_s
+        };
+        // 1 GB at 2 GB/s, plus one token: a decode step, not 1 ms.
+        assert!((floor(rec(100, 99, 2, 0.6, 0.7)) - 0.55).abs() < 1e-9);
+        // 400 tokens at 1000 tok/s cost more than a step: the prefill rate.
+        assert!((floor(rec(500, 100, 2, 0.9, 1.0)) - 0.9).abs() < 1e-9);
+        // Nothing to compute (every token cached): the bytes alone.
+        assert!((floor(rec(100, 100, 2, 0.6, 0.7)) - 0.5).abs() < 1e-9);
+    }
 }

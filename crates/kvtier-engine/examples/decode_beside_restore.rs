@@ -6,7 +6,8 @@
 //! cargo run --release -p kvtier-engine --example decode_beside_restore -- \
 //!     [--model DIR] [--tier g3|g4] [--remote redis://HOST:PORT] \
 //!     [--prefix-tokens 4096] [--restores 5] [--decoders 4] \
-//!     [--kv-offload-codec none|bf16|fp8-e4m3|int8] [--no-layerwise-restore] [--json]
+//!     [--kv-offload-codec none|bf16|fp8-e4m3|int8] [--no-layerwise-restore] \
+//!     [--restore-yield K] [--json]
 //! ```
 //!
 //! 1. A first engine computes `--restores` distinct prompts of
@@ -24,6 +25,10 @@
 //!    the restores (overlapping none) join the baseline, so both sets span
 //!    the same contexts (the decoders' contexts grow all along, and so
 //!    does their step time).
+//!
+//! `--restore-yield K` sets `EngineOptions::restore_yield` (default
+//! `DEFAULT_RESTORE_YIELD`; 0: the restore never yields the CPU to the
+//! decoders).
 //!
 //! Prints p50/p99 of both sets of gaps, their ratio, and each restore's
 //! TTFT and cached tokens. Default model: the embedded `small` preset in a
@@ -50,6 +55,7 @@ struct Args {
     decoders: usize,
     codec: kvtier_store::KvCodec,
     layerwise: bool,
+    restore_yield: f64,
     json: bool,
 }
 
@@ -63,6 +69,7 @@ fn parse_args() -> Result<Args, String> {
         decoders: 4,
         codec: kvtier_store::KvCodec::None,
         layerwise: true,
+        restore_yield: kvtier_engine::DEFAULT_RESTORE_YIELD,
         json: false,
     };
     let mut it = std::env::args().skip(1);
@@ -88,6 +95,7 @@ fn parse_args() -> Result<Args, String> {
                 ))?;
             }
             "--no-layerwise-restore" => a.layerwise = false,
+            "--restore-yield" => a.restore_yield = value()?.parse().map_err(|e| format!("{e}"))?,
             "--json" => a.json = true,
             other => return Err(format!("unknown flag {other}")),
         }
@@ -125,6 +133,7 @@ fn engine(model: &Path, a: &Args, cache: &Path) -> Result<Engine, String> {
         pool_pages: 160,
         max_seq_tokens: 8192,
         layerwise_restore: a.layerwise,
+        restore_yield: a.restore_yield,
         ..Default::default()
     };
     Engine::load(model, opts, Some(store(a, cache))).map_err(|e| e.to_string())
@@ -299,11 +308,12 @@ fn run() -> Result<(), String> {
             "{{\"tier\":\"{tier}\",\"decoders\":{},\"prefix_tokens\":{},\"restores\":{},\
              \"itl_ms_without\":{{\"p50\":{b50:.2},\"p99\":{b99:.2},\"n\":{nb}}},\
              \"itl_ms_during\":{{\"p50\":{d50:.2},\"p99\":{d99:.2},\"n\":{nd}}},\
-             \"p99_ratio\":{ratio:.3},\"restore_ttft_p50_s\":{ttft50:.4},\
+             \"restore_yield\":{},\"p99_ratio\":{ratio:.3},\"restore_ttft_p50_s\":{ttft50:.4},\
              \"cached_tokens\":{cached:?},\"restored_bytes\":{}}}",
             a.decoders,
             a.prefix_tokens,
             a.restores,
+            a.restore_yield,
             restores.first().map_or(0, |r| r.2)
         );
     } else {

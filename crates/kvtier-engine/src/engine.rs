@@ -54,7 +54,22 @@ pub struct EngineOptions {
     /// while later layers are still being read. Off: whole blocks are read,
     /// then copied into G1 between steps.
     pub layerwise_restore: bool,
+    /// How much a layer-wise restore read beside decoding sequences yields
+    /// the CPU to them: after decoding each piece into its pages, the
+    /// store's thread sleeps this many times as long as the piece took
+    /// (0: never). On a host with few cores the restore's checks and
+    /// copies otherwise land on the decode steps running beside them, and
+    /// the others' inter-token gaps grow by the restore's whole CPU time
+    /// (docs/benchmarks.md, "Decode beside a restore"); yielding spreads
+    /// that work over more steps, at the cost of the restoring request's
+    /// own TTFT. A restore begun while the engine runs nothing else never
+    /// yields.
+    pub restore_yield: f64,
 }
+
+/// [`EngineOptions::restore_yield`]'s default: the restore's thread works
+/// at most about a quarter of the time while others decode.
+pub const DEFAULT_RESTORE_YIELD: f64 = 3.0;
 
 impl Default for EngineOptions {
     fn default() -> Self {
@@ -66,6 +81,7 @@ impl Default for EngineOptions {
             tenant_salt: Vec::new(),
             device: Device::Cpu,
             layerwise_restore: true,
+            restore_yield: DEFAULT_RESTORE_YIELD,
         }
     }
 }
@@ -316,6 +332,13 @@ impl Engine {
     /// ([`EngineOptions::layerwise_restore`]).
     pub fn set_layerwise_restore(&mut self, on: bool) {
         self.opts.layerwise_restore = on;
+    }
+
+    /// Sets how much a layer-wise restore begun beside other sequences
+    /// yields the CPU to them ([`EngineOptions::restore_yield`]); reads
+    /// already begun keep theirs.
+    pub fn set_restore_yield(&mut self, k: f64) {
+        self.opts.restore_yield = k;
     }
 
     /// Keys of the full blocks of `tokens` under this engine's chain.

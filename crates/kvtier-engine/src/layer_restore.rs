@@ -11,6 +11,12 @@
 //! the read is done and checked. The scheduler's thread then copies
 //! nothing, and no decode waits on the disk.
 //!
+//! Beside other sequences the store's thread also yields the CPU to their
+//! decode steps after each piece it decodes, sleeping a multiple of the
+//! time the piece took ([`crate::EngineOptions::restore_yield`]): on a
+//! host with few cores the restore's work otherwise lands, all of it, on
+//! the one or two steps its read overlaps.
+//!
 //! What lands is not verified yet (the store verifies each block once all
 //! of it is in: `kvtier_store::LayerSink`). Nothing computed from it is
 //! served before that: the step that used it checks the read's result
@@ -19,7 +25,7 @@
 //! rest of the prompt is recomputed (`Engine::step`).
 
 use std::ops::Range;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvtier_store::{KvLayout, LayerSink, Tier};
 use parking_lot::{Condvar, Mutex};
@@ -61,16 +67,35 @@ pub(crate) struct RestoreSink {
     pages: Vec<PageId>,
     landed: Mutex<Landed>,
     changed: Condvar,
+    /// Sleep this many times as long as each piece's decode took, after it
+    /// (0: never).
+    yield_factor: f64,
 }
+
+/// Longest sleep after one piece: a factor set far too high slows a
+/// restore down, never stops it.
+const MAX_YIELD: Duration = Duration::from_millis(20);
 
 impl RestoreSink {
     /// A sink filling `pages` (the `i`-th key's layers into `pages[i]`) of
-    /// blocks of `layout`.
-    pub(crate) fn new(writer: PageWriter, layout: KvLayout, pages: Vec<PageId>) -> Self {
+    /// blocks of `layout`, its thread sleeping `yield_factor` times as long
+    /// as each piece's decode took, after it (0, negative or not finite:
+    /// never).
+    pub(crate) fn new(
+        writer: PageWriter,
+        layout: KvLayout,
+        pages: Vec<PageId>,
+        yield_factor: f64,
+    ) -> Self {
         let n = pages.len();
         Self {
             writer,
             layout,
+            yield_factor: if yield_factor.is_finite() && yield_factor > 0.0 {
+                yield_factor
+            } else {
+                0.0
+            },
             landed: Mutex::new(Landed {
                 layers: vec![vec![false; n]; layout.layers as usize],
                 failed: vec![false; n],
@@ -160,9 +185,11 @@ impl LayerSink for RestoreSink {
         let Some(&page) = self.pages.get(index) else {
             return;
         };
+        let took = Instant::now();
         let result = self
             .writer
             .import_layers(page, &self.layout, layers.clone(), stored);
+        let took = took.elapsed();
         let mut st = self.landed.lock();
         match result {
             Ok(()) => {
@@ -181,6 +208,10 @@ impl LayerSink for RestoreSink {
             }
         }
         self.changed.notify_all();
+        drop(st);
+        if self.yield_factor > 0.0 {
+            std::thread::sleep(took.mul_f64(self.yield_factor).min(MAX_YIELD));
+        }
     }
 
     fn planned(&self, tiers: &[Tier]) {

@@ -41,7 +41,9 @@ pub mod weights;
 #[cfg(feature = "cuda")]
 pub use device::cuda_stream;
 pub use device::{fix_cpu_threads, open_device, tune_host_allocator};
-pub use engine::{CachedTokens, Engine, EngineOptions, Prefill, SeqId, Step, StoreOptions};
+pub use engine::{
+    CachedTokens, DEFAULT_RESTORE_YIELD, Engine, EngineOptions, Prefill, SeqId, Step, StoreOptions,
+};
 pub use engine_error::EngineError;
 pub use model_config::ModelConfig;
 pub use prefix_restore::Attached;

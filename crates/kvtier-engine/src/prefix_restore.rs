@@ -264,8 +264,9 @@ impl Engine {
             if let Some((k, _)) = tail_key {
                 rest.push(k);
             }
-            let sink = self.layer_sink(id, rest.len());
-            begun.gated = sink.is_some() && self.seqs.len() == 1;
+            let alone = self.seqs.len() == 1;
+            let sink = self.layer_sink(id, rest.len(), alone);
+            begun.gated = sink.is_some() && alone;
             let Some(store) = &self.store else {
                 return Ok(());
             };
@@ -382,10 +383,12 @@ impl Engine {
     /// the pool has them; `None` reads whole blocks, copied into G1 by
     /// [`attach`](Self::attach), instead. The store's threads decode each
     /// layer into these pages as it lands, so attaching them copies nothing
-    /// on the scheduler's thread. Only a sequence begun alone (`gated`)
+    /// on the scheduler's thread. Only a sequence begun `alone` (`gated`)
     /// joins a step before its read is done: a forward pass that waits on
-    /// the store must not hold up anyone's decode.
-    fn layer_sink(&mut self, id: SeqId, n: usize) -> Option<Arc<RestoreSink>> {
+    /// the store must not hold up anyone's decode. Beside others, the
+    /// store's threads yield to their steps
+    /// ([`crate::EngineOptions::restore_yield`]).
+    fn layer_sink(&mut self, id: SeqId, n: usize, alone: bool) -> Option<Arc<RestoreSink>> {
         if !self.opts.layerwise_restore || n == 0 {
             return None;
         }
@@ -407,7 +410,13 @@ impl Engine {
             }
         }
         let writer = self.pool.page_writer();
-        Some(Arc::new(RestoreSink::new(writer, self.kv_layout, pages)))
+        let yield_factor = if alone { 0.0 } else { self.opts.restore_yield };
+        Some(Arc::new(RestoreSink::new(
+            writer,
+            self.kv_layout,
+            pages,
+            yield_factor,
+        )))
     }
 
     /// [`attach`](Self::attach) for a layer-wise restore: waits only for

@@ -369,6 +369,45 @@ fn the_layered_path_is_taken_and_reported_only_when_the_engine_is_idle() {
     assert_eq!(e.free_pages(), free, "no page lost");
 }
 
+/// Beside another sequence the store's thread yields the CPU after each
+/// piece it decodes into G1 (`EngineOptions::restore_yield`): the KV that
+/// lands is the same however much it yields, and equals recompute.
+#[test]
+fn a_restore_beside_another_sequence_lands_the_same_kv_however_much_it_yields() {
+    let m = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, 5, m.path()).unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mut e = Engine::load(m.path(), opts(true), Some(store_opts(cache.path()))).unwrap();
+    let p = prompt(90, 3);
+    prefill_and_store(&mut e, &p);
+    let reference = recompute_logits(m.path(), &p);
+    let mut seen: Option<Vec<f32>> = None;
+    for k in [0.0, 3.0, 50.0, f64::NAN, -1.0] {
+        on_disk_only(&mut e);
+        e.set_restore_yield(k);
+        let other = e.begin(&prompt(20, 7), || {}).unwrap();
+        let id = e.begin(&p, || {}).unwrap();
+        let a = e.attach(id).unwrap();
+        assert_eq!(a.cached.g3, 89, "yield {k}: 5 blocks and the 9-token tail");
+        let logits = loop {
+            let step = e.step(&[], &[id]).unwrap();
+            if let Some(Some(l)) = step.prefilled.into_iter().next() {
+                break l;
+            }
+        };
+        e.finish(id);
+        e.finish(other);
+        assert!(
+            max_diff(&logits, &reference) < 1e-4,
+            "yield {k}: restored logits equal recompute"
+        );
+        match &seen {
+            Some(first) => assert_eq!(first, &logits, "yield {k}: bit for bit as yield 0"),
+            None => seen = Some(logits),
+        }
+    }
+}
+
 #[test]
 fn a_block_failing_its_check_after_its_layers_were_used_is_recomputed() {
     let m = tempfile::tempdir().unwrap();

@@ -425,6 +425,7 @@ async fn prepare(opts: ServeOptions) -> Result<Ready, ServeError> {
         tenant_salt: opts.tenant_salt.clone().into_bytes(),
         device: open_device(&opts.device)?,
         layerwise_restore: opts.layerwise_restore,
+        restore_yield: opts.restore_yield,
     };
     eprintln!(
         "loading {} ({} parameters, {} layers) from {}",

@@ -152,7 +152,7 @@ pub fn prefill(opts: &PrefillOptions) -> Result<PrefillReport, ServeError> {
         prefix_reuse: true,
         tenant_salt: opts.tenant_salt.clone().into_bytes(),
         device: open_device(&opts.device)?,
-        layerwise_restore: true,
+        ..Default::default()
     };
     let store = StoreOptions {
         memory_bytes: opts.g2_bytes,

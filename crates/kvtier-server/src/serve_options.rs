@@ -65,6 +65,10 @@ pub struct ServeOptions {
     /// Restore an idle engine's prefixes layer by layer
     /// (`EngineOptions::layerwise_restore`) (default: on).
     pub layerwise_restore: bool,
+    /// How much a restore beside decoding requests yields the CPU to them
+    /// (`EngineOptions::restore_yield`) (default:
+    /// `kvtier_engine::DEFAULT_RESTORE_YIELD`).
+    pub restore_yield: f64,
     /// Tenant salt mixed into every block key, so one tenant's prefixes are
     /// invisible to another's (default: empty).
     pub tenant_salt: String,
@@ -110,6 +114,7 @@ impl Default for ServeOptions {
             max_wait: Duration::ZERO,
             prefix_reuse: true,
             layerwise_restore: true,
+            restore_yield: kvtier_engine::DEFAULT_RESTORE_YIELD,
             tenant_salt: String::new(),
             conn_limits: ConnLimits::default(),
             api_keys: Vec::new(),

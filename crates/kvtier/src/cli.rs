@@ -26,6 +26,15 @@ pub fn codec_arg(s: &str) -> Result<kvtier_store::KvCodec, String> {
     })
 }
 
+/// Parses `--restore-yield`: a finite factor from 0 to 100.
+pub fn restore_yield_arg(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(k) if (0.0..=100.0).contains(&k) => Ok(k),
+        Ok(_) => Err(format!("{s} is out of range: a factor from 0 to 100")),
+        Err(e) => Err(format!("{s:?} is not a number: {e}")),
+    }
+}
+
 /// kvtier: the storage path for LLM inference.
 ///
 /// Keeps KV cache, weights and checkpoints in the fastest tier that holds

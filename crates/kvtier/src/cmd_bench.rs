@@ -84,6 +84,15 @@ pub struct BenchCmdArgs {
     /// landed, while later layers are still being read (docs/architecture.md).
     #[arg(long)]
     pub no_layerwise_restore: bool,
+    /// How much a restore beside decoding requests yields the CPU to them:
+    /// after each piece of the prefix it copies into G1, the restoring
+    /// thread sleeps K times as long as the piece took (0: never yields).
+    /// Higher keeps the others' inter-token latency steadier and makes the
+    /// restoring request's first token later (docs/benchmarks.md, "Decode
+    /// beside a restore"). A restore into an otherwise idle engine never
+    /// yields.
+    #[arg(long, value_name = "K", default_value_t = kvtier_engine::DEFAULT_RESTORE_YIELD, value_parser = crate::cli::restore_yield_arg)]
+    pub restore_yield: f64,
     /// Where the in-process engine runs: `cpu`, or `cuda` / `cuda:N` in a
     /// build with `--features cuda` (ignored with `--endpoint`).
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
@@ -130,6 +139,7 @@ impl BenchCmdArgs {
             block_tokens: self.block_tokens,
             kv_offload_codec: self.kv_offload_codec,
             layerwise_restore: !self.no_layerwise_restore,
+            restore_yield: self.restore_yield,
             device: self.device.clone(),
             g2_bytes: self.g2_bytes,
             g3_bytes: self.g3_bytes,

@@ -116,6 +116,16 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_layerwise_restore: bool,
 
+    /// How much a restore beside decoding requests yields the CPU to them:
+    /// after each piece of the prefix it copies into G1, the restoring
+    /// thread sleeps K times as long as the piece took (0: never yields).
+    /// Higher keeps the others' inter-token latency steadier and makes the
+    /// restoring request's first token later (docs/benchmarks.md, "Decode
+    /// beside a restore"). A restore into an otherwise idle engine never
+    /// yields.
+    #[arg(long, value_name = "K", default_value_t = kvtier_engine::DEFAULT_RESTORE_YIELD, value_parser = crate::cli::restore_yield_arg)]
+    pub restore_yield: f64,
+
     /// Tenant salt mixed into every block key, so one tenant's prefixes are
     /// invisible to another's.
     #[arg(long, value_name = "TEXT", default_value = "")]
@@ -208,6 +218,7 @@ impl ServeArgs {
             max_wait: Duration::from_millis(self.max_wait_ms),
             prefix_reuse: !self.no_prefix_reuse,
             layerwise_restore: !self.no_layerwise_restore,
+            restore_yield: self.restore_yield,
             tenant_salt: self.tenant_salt.clone(),
             api_keys: self.api_key.clone(),
             api_keys_file: self.api_keys_file.clone(),
