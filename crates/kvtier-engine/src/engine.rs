@@ -62,8 +62,9 @@ pub struct EngineOptions {
     /// the others' inter-token gaps grow by the restore's whole CPU time
     /// (docs/benchmarks.md, "Decode beside a restore"); yielding spreads
     /// that work over more steps, at the cost of the restoring request's
-    /// own TTFT. A restore begun while the engine runs nothing else never
-    /// yields.
+    /// own TTFT. Its G4 blocks are then asked for one at a time, with the
+    /// same pause after each GET (`kvtier_store::LayerSink::yield_factor`).
+    /// A restore begun while the engine runs nothing else never yields.
     pub restore_yield: f64,
 }
 

@@ -13,9 +13,11 @@
 //!
 //! Beside other sequences the store's thread also yields the CPU to their
 //! decode steps after each piece it decodes, sleeping a multiple of the
-//! time the piece took ([`crate::EngineOptions::restore_yield`]): on a
-//! host with few cores the restore's work otherwise lands, all of it, on
-//! the one or two steps its read overlaps.
+//! time the piece took ([`crate::EngineOptions::restore_yield`]), and the
+//! store asks a G4 pool for one block at a time with the same pause after
+//! each GET (`LayerSink::yield_factor`): on a host with few cores the
+//! restore's work otherwise lands, all of it, on the one or two steps its
+//! read overlaps.
 //!
 //! What lands is not verified yet (the store verifies each block once all
 //! of it is in: `kvtier_store::LayerSink`). Nothing computed from it is
@@ -218,5 +220,9 @@ impl LayerSink for RestoreSink {
         let mut st = self.landed.lock();
         st.planned = Some(tiers.iter().copied().take(self.pages.len()).collect());
         self.changed.notify_all();
+    }
+
+    fn yield_factor(&self) -> f64 {
+        self.yield_factor
     }
 }

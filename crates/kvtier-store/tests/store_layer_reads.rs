@@ -62,6 +62,8 @@ struct Recorder {
     planned: Mutex<Vec<Vec<Tier>>>,
     /// Layers handed over before `planned` was called.
     before_planned: Mutex<usize>,
+    /// What `yield_factor` answers.
+    yield_factor: f64,
 }
 
 impl LayerSink for Recorder {
@@ -78,11 +80,27 @@ impl LayerSink for Recorder {
     fn planned(&self, tiers: &[Tier]) {
         self.planned.lock().unwrap().push(tiers.to_vec());
     }
+
+    fn yield_factor(&self) -> f64 {
+        self.yield_factor
+    }
 }
 
 /// Reads `ks` layer-wise; the verified blocks' keys and what the sink saw.
 fn read(store: &TieredStore, ks: &[kvtier_store::BlockKey]) -> (usize, Arc<Recorder>) {
-    let sink = Arc::new(Recorder::default());
+    read_yielding(store, ks, 0.0)
+}
+
+/// [`read`] with a sink whose `yield_factor` is `k`.
+fn read_yielding(
+    store: &TieredStore,
+    ks: &[kvtier_store::BlockKey],
+    k: f64,
+) -> (usize, Arc<Recorder>) {
+    let sink = Arc::new(Recorder {
+        yield_factor: k,
+        ..Recorder::default()
+    });
     let (tx, rx) = mpsc::channel();
     let handle = store.read_prefix_layered(ks.to_vec(), sink.clone(), move || {
         let _ = tx.send(());
@@ -226,4 +244,36 @@ fn g4_blocks_come_whole_after_g3_ones_and_without_a_g4_read_the_plan_comes_first
     assert_eq!(n, 6);
     assert_eq!(*sink.planned.lock().unwrap(), vec![vec![Tier::G3; 6]]);
     assert_eq!(*sink.before_planned.lock().unwrap(), 0);
+}
+
+#[test]
+fn a_yielding_sink_gets_g4_blocks_one_by_one_in_order_up_to_the_first_miss() {
+    let redis = RedisServer::start().unwrap();
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let ks = keys(0..6);
+    // The pool holds blocks 0..4; 4 and 5 are nowhere.
+    let a = open_with(da.path(), 8, Some(&redis.url()));
+    put(&a, &ks[..4]);
+    a.flush().unwrap();
+    let b = open_with(db.path(), 8, Some(&redis.url()));
+    let (n, sink) = read_yielding(&b, &ks, 0.5);
+    assert_eq!(n, 4, "the verified run ends at the first miss");
+    assert_eq!(*sink.planned.lock().unwrap(), vec![vec![Tier::G4; 4]]);
+    assert_every_layer_once(&ks, 4, &sink);
+    assert_whole_from(&sink, 0, "a G4 block is handed over whole");
+    let order: Vec<usize> = sink.got.lock().unwrap().iter().map(|h| h.0).collect();
+    assert_eq!(
+        order,
+        vec![0, 1, 2, 3],
+        "one GET at a time, in prefix order"
+    );
+    assert_eq!(
+        *sink.before_planned.lock().unwrap(),
+        4,
+        "a yielding read hands blocks over before its plan"
+    );
+    // The same read without yielding finds the same run.
+    b.evict_memory().unwrap();
+    let (n, _) = read(&b, &ks);
+    assert_eq!(n, 4);
 }

@@ -46,6 +46,17 @@ pub trait LayerSink: Send + Sync {
     /// per read, before it is done (a block of that run can still fail its
     /// read or its check).
     fn planned(&self, tiers: &[Tier]);
+
+    /// How much the read yields the CPU to other work between G4 GETs
+    /// (0, the default: it does not). Above 0 the G4 blocks of a prefix are
+    /// asked for one at a time, each handed over as it arrives, and after
+    /// each the reading thread sleeps this many times as long as the GET
+    /// took, so a pool's server on the same host does not send the whole
+    /// prefix in one burst. The plan ([`planned`](Self::planned)) then comes
+    /// after the blocks: a sink that yields must not wait for it.
+    fn yield_factor(&self) -> f64 {
+        0.0
+    }
 }
 
 /// Where a layout's layers sit in its stored payload, for handing them

@@ -207,8 +207,40 @@ impl TieredStore {
             (Some(d), _) if !g3_keys.is_empty() => d.read_outcomes(&g3_keys),
             _ => Vec::new(),
         };
+        let pace = sink.map_or(0.0, |s| s.yield_factor());
         let read_g4 = || {
             let got = match remote {
+                Some(r) if !g4_keys.is_empty() && leading && pace > 0.0 => {
+                    // One GET at a time, each block handed over as it
+                    // lands, then a pause (`LayerSink::yield_factor`).
+                    let mut got = Vec::with_capacity(g4_keys.len());
+                    for (&i, key) in from_g4.iter().zip(&g4_keys) {
+                        let t = std::time::Instant::now();
+                        let mut one = r.get_leading(std::slice::from_ref(key));
+                        let fetched = one.pop().flatten();
+                        let hit = matches!(fetched, Some(Ok(_)));
+                        if let (Some(sink), Some(Ok(buf))) = (sink, &fetched)
+                            && let Some(p) = buf.get(HEADER_BYTES..HEADER_BYTES + payload_len)
+                        {
+                            sink.layers(i, 0..layers, p);
+                        }
+                        got.push(fetched);
+                        if !hit {
+                            break;
+                        }
+                        std::thread::sleep(
+                            t.elapsed()
+                                .mul_f64(pace)
+                                .min(std::time::Duration::from_millis(20)),
+                        );
+                    }
+                    got.resize_with(g4_keys.len(), || None);
+                    if let Some(sink) = sink {
+                        let found = |j: usize| matches!(got.get(j), Some(Some(Ok(_))));
+                        sink.planned(&planned(&found));
+                    }
+                    return (got, None);
+                }
                 Some(r) if !g4_keys.is_empty() && leading => (r.get_leading(&g4_keys), None),
                 Some(r) if !g4_keys.is_empty() => r.get_many_reporting(&g4_keys),
                 _ => (Vec::new(), None),
