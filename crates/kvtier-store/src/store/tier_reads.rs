@@ -214,7 +214,7 @@ impl TieredStore {
                     // One GET at a time, each block handed over as it
                     // lands, then a pause (`LayerSink::yield_factor`).
                     let mut got = Vec::with_capacity(g4_keys.len());
-                    for (&i, key) in from_g4.iter().zip(&g4_keys) {
+                    for (j, (&i, key)) in from_g4.iter().zip(&g4_keys).enumerate() {
                         let t = std::time::Instant::now();
                         let mut one = r.get_leading(std::slice::from_ref(key));
                         let fetched = one.pop().flatten();
@@ -225,7 +225,7 @@ impl TieredStore {
                             sink.layers(i, 0..layers, p);
                         }
                         got.push(fetched);
-                        if !hit {
+                        if !hit || j + 1 == g4_keys.len() {
                             break;
                         }
                         std::thread::sleep(
