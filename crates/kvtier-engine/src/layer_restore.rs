@@ -11,13 +11,13 @@
 //! the read is done and checked. The scheduler's thread then copies
 //! nothing, and no decode waits on the disk.
 //!
-//! Beside other sequences the store's thread also yields the CPU to their
-//! decode steps after each piece it decodes, sleeping a multiple of the
-//! time the piece took ([`crate::EngineOptions::restore_yield`]), and the
-//! store asks a G4 pool for one block at a time with the same pause after
-//! each GET (`LayerSink::yield_factor`): on a host with few cores the
-//! restore's work otherwise lands, all of it, on the one or two steps its
-//! read overlaps.
+//! Beside other sequences the sink asks the store's read to yield the CPU
+//! to their decode steps ([`crate::EngineOptions::restore_yield`], passed
+//! on as `LayerSink::yield_factor`): the store sleeps a multiple of the
+//! time each piece took to decode here, and asks a G4 pool for one block
+//! at a time with the same pause after each GET. On a host with few cores
+//! the restore's work otherwise lands, all of it, on the one or two steps
+//! its read overlaps.
 //!
 //! What lands is not verified yet (the store verifies each block once all
 //! of it is in: `kvtier_store::LayerSink`). Nothing computed from it is
@@ -27,7 +27,7 @@
 //! rest of the prompt is recomputed (`Engine::step`).
 
 use std::ops::Range;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvtier_store::{KvLayout, LayerSink, Tier};
 use parking_lot::{Condvar, Mutex};
@@ -69,20 +69,16 @@ pub(crate) struct RestoreSink {
     pages: Vec<PageId>,
     landed: Mutex<Landed>,
     changed: Condvar,
-    /// Sleep this many times as long as each piece's decode took, after it
-    /// (0: never).
+    /// How much the store's read yields the CPU (`LayerSink::yield_factor`).
     yield_factor: f64,
 }
 
-/// Longest sleep after one piece: a factor set far too high slows a
-/// restore down, never stops it.
-const MAX_YIELD: Duration = Duration::from_millis(20);
-
 impl RestoreSink {
     /// A sink filling `pages` (the `i`-th key's layers into `pages[i]`) of
-    /// blocks of `layout`, its thread sleeping `yield_factor` times as long
-    /// as each piece's decode took, after it (0, negative or not finite:
-    /// never).
+    /// blocks of `layout`; the store's read yields the CPU by
+    /// `yield_factor` (`LayerSink::yield_factor`: after each piece decoded
+    /// here it sleeps that many times as long as the piece took; 0,
+    /// negative or not finite: never).
     pub(crate) fn new(
         writer: PageWriter,
         layout: KvLayout,
@@ -93,11 +89,7 @@ impl RestoreSink {
         Self {
             writer,
             layout,
-            yield_factor: if yield_factor.is_finite() && yield_factor > 0.0 {
-                yield_factor
-            } else {
-                0.0
-            },
+            yield_factor,
             landed: Mutex::new(Landed {
                 layers: vec![vec![false; n]; layout.layers as usize],
                 failed: vec![false; n],
@@ -187,11 +179,9 @@ impl LayerSink for RestoreSink {
         let Some(&page) = self.pages.get(index) else {
             return;
         };
-        let took = Instant::now();
         let result = self
             .writer
             .import_layers(page, &self.layout, layers.clone(), stored);
-        let took = took.elapsed();
         let mut st = self.landed.lock();
         match result {
             Ok(()) => {
@@ -210,10 +200,6 @@ impl LayerSink for RestoreSink {
             }
         }
         self.changed.notify_all();
-        drop(st);
-        if self.yield_factor > 0.0 {
-            std::thread::sleep(took.mul_f64(self.yield_factor).min(MAX_YIELD));
-        }
     }
 
     fn planned(&self, tiers: &[Tier]) {

@@ -19,6 +19,7 @@
 //! whole once all of it has landed.
 
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use super::{StoredBlock, TieredStore};
 use crate::block::HEADER_BYTES;
@@ -47,15 +48,51 @@ pub trait LayerSink: Send + Sync {
     /// read or its check).
     fn planned(&self, tiers: &[Tier]);
 
-    /// How much the read yields the CPU to other work between G4 GETs
-    /// (0, the default: it does not). Above 0 the G4 blocks of a prefix are
-    /// asked for one at a time, each handed over as it arrives, and after
-    /// each the reading thread sleeps this many times as long as the GET
-    /// took, so a pool's server on the same host does not send the whole
-    /// prefix in one burst. The plan ([`planned`](Self::planned)) then comes
-    /// after the blocks: a sink that yields must not wait for it.
+    /// How much the read yields the CPU to other work (0, the default:
+    /// it does not; negative or not finite: neither). Above 0, after each
+    /// hand-over ([`layers`](Self::layers)) the reading thread sleeps this
+    /// many times as long as the hand-over took, and the G4 blocks of a
+    /// prefix are asked for one at a time, each handed over as it arrives,
+    /// with a pause of this many times the GET and its hand-over after
+    /// each, so a pool's server on the same host does not send the whole
+    /// prefix in one burst. Each pause is at most [`MAX_PAUSE`]. The plan
+    /// ([`planned`](Self::planned)) then comes after the G4 blocks: a sink
+    /// that yields must not wait for it.
     fn yield_factor(&self) -> f64 {
         0.0
+    }
+}
+
+/// Longest pause of a yielding read: a factor set far too high slows a
+/// read down, never stops it.
+pub const MAX_PAUSE: Duration = Duration::from_millis(20);
+
+/// Sleeps `k` times `took`, at most [`MAX_PAUSE`]; not at all for a `k`
+/// that is not finite and above 0.
+pub(super) fn pause(took: Duration, k: f64) {
+    if k.is_finite() && k > 0.0 {
+        let secs = (took.as_secs_f64() * k).min(MAX_PAUSE.as_secs_f64());
+        std::thread::sleep(Duration::from_secs_f64(secs));
+    }
+}
+
+/// A sink whose every hand-over is followed by a [`pause`] of its own
+/// `yield_factor` times the hand-over's time.
+pub(super) struct Paced<'a>(pub(super) &'a dyn LayerSink);
+
+impl LayerSink for Paced<'_> {
+    fn layers(&self, index: usize, layers: Range<u32>, stored: &[u8]) {
+        let t = Instant::now();
+        self.0.layers(index, layers, stored);
+        pause(t.elapsed(), self.0.yield_factor());
+    }
+
+    fn planned(&self, tiers: &[Tier]) {
+        self.0.planned(tiers);
+    }
+
+    fn yield_factor(&self) -> f64 {
+        self.0.yield_factor()
     }
 }
 

@@ -56,7 +56,7 @@ use crate::metrics::{StoreMetrics, Tier};
 use crate::remote::{RemoteConfig, RemoteTier};
 use crate::verify::BlockSpec;
 use crate::workers::Workers;
-pub use layer_reads::{LayerSink, MIN_PART_BYTES};
+pub use layer_reads::{LayerSink, MAX_PAUSE, MIN_PART_BYTES};
 pub use shared_memory::SharedMemory;
 pub use store_error::StoreError;
 pub(crate) use tier_reads::Found;

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use kvtier_io::AlignedBuf;
 
-use super::layer_reads::{LayerSink, LayerSpans};
+use super::layer_reads::{LayerSink, LayerSpans, Paced, pause};
 use super::{StoredBlock, TieredStore};
 use crate::block::HEADER_BYTES;
 use crate::disk::ReadOutcome;
@@ -89,6 +89,8 @@ impl TieredStore {
         let inner = &self.inner;
         let layers = inner.layout.layers;
         let spans = sink.and_then(|_| LayerSpans::of(&inner.layout));
+        let paced = sink.map(Paced);
+        let sink = paced.as_ref().map(|p| p as &dyn LayerSink);
         let whole = |i: usize, b: &StoredBlock| {
             if let Some(sink) = sink {
                 sink.layers(i, 0..layers, b.payload());
@@ -228,11 +230,7 @@ impl TieredStore {
                         if !hit || j + 1 == g4_keys.len() {
                             break;
                         }
-                        std::thread::sleep(
-                            t.elapsed()
-                                .mul_f64(pace)
-                                .min(std::time::Duration::from_millis(20)),
-                        );
+                        pause(t.elapsed(), pace);
                     }
                     got.resize_with(g4_keys.len(), || None);
                     if let Some(sink) = sink {
