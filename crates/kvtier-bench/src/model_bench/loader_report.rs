@@ -148,7 +148,7 @@ fn render_table(r: &ModelBenchReport) -> String {
         out,
         "               destination {}",
         if r.prefault {
-            "faulted in by a helper thread while the reads run"
+            "faulted in by helper threads while the reads run"
         } else {
             "faulted in by the reads themselves (--no-prefault)"
         }

@@ -5,7 +5,7 @@
 //! shard, with the chunks of all shards in one engine batch and `in_flight`
 //! of them outstanding. Reads land in place (no bounce buffer, no copy), with
 //! `O_DIRECT` where the file system takes it and buffered reads, with the
-//! reason logged and reported, where it does not. A helper thread faults
+//! reason logged and reported, where it does not. Helper threads fault
 //! the fresh destination in while the reads run, so that page faults overlap
 //! the I/O instead of taking turns with it (`prefault`).
 //!
@@ -51,7 +51,7 @@ pub struct LoaderConfig {
     /// probe each file with one direct read and fall back, with a logged
     /// reason, where it fails.
     pub direct: Option<bool>,
-    /// Fault the destination memory in on a helper thread while the reads
+    /// Fault the destination memory in on helper threads while the reads
     /// run (default true). A cold load into fresh memory otherwise faults
     /// each read's pages in when it is submitted, in turn with the reads.
     pub prefault: bool,

@@ -3,10 +3,9 @@
 //! A cold load reads into newly allocated memory. With `O_DIRECT` the kernel
 //! pins each read's destination pages when the read is submitted, faulting
 //! in any that are missing on the submitting thread: faulting and reading
-//! then take turns instead of overlapping. On the reference VM (1.2-1.9 GB/s
-//! reads, about 2.4 GB/s first touch) a 4 GiB cold load with the destination
-//! faulted in here, on a second thread, ahead of the reads, reached 0.92 of
-//! the device limit (docs/benchmarks.md, "Model load").
+//! then take turns instead of overlapping. Here [`THREADS`] helper threads
+//! fault the destination in ahead of the reads, while they run
+//! (docs/benchmarks.md, "Model load" and "Cold weight load").
 //!
 //! `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) faults pages in as a write
 //! would, without writing: it never changes bytes, so it is safe while
@@ -14,47 +13,73 @@
 //! pinned host memory) cost a page-table walk. A kernel without it (EINVAL)
 //! turns this into a no-op, logged at debug level.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-/// Bytes populated per `madvise` call: the granularity at which the helper
-/// notices that the reads are done.
+/// Bytes populated per `madvise` call: the granularity at which the helpers
+/// share the work and notice that the reads are done.
 const STEP: usize = 4 << 20;
+
+/// Helper threads per load. Each fault in fresh memory can wait on the
+/// hypervisor for a page (the reference VM's balloon takes freed RAM back),
+/// so several faults in flight get pages faster even on 2 vCPUs: a fresh
+/// 4 GiB mapping populated after 20 s idle ran at 1.1-1.9 GB/s with one
+/// thread, 2.1-3.4 with two and 3.2-3.7 with four (docs/benchmarks.md, "Cold
+/// weight load"). The threads mostly wait, so more than the cores is fine.
+pub(crate) const THREADS: usize = 4;
 
 /// A memory range to fault in: start address and length.
 pub(crate) type Range = (usize, usize);
 
-/// Faults `ranges` in, in order, `STEP` bytes at a time, until done or
-/// `stop` is set, starting `skip` bytes in: the reads submitted first fault
-/// their own pages, and two threads faulting the same pages only contend.
-///
-/// The caller keeps every range mapped until this returns; this only issues
-/// `madvise` on the addresses and creates no reference to the memory.
-pub(crate) fn populate(ranges: &[Range], skip: usize, stop: &AtomicBool) {
-    let mut skip = skip;
-    for &(addr, len) in ranges {
-        let mut off = skip.min(len);
-        skip -= off;
-        while off < len {
-            if stop.load(Ordering::Relaxed) {
-                return;
+/// The work for the helpers: `ranges` cut into `STEP`-byte pieces, in
+/// order, starting `skip` bytes in (the reads submitted first fault their
+/// own pages, and two threads faulting the same pages only contend), and a
+/// cursor the helpers take pieces from.
+pub(crate) struct Work {
+    steps: Vec<Range>,
+    next: AtomicUsize,
+}
+
+impl Work {
+    /// Plans the pieces of `ranges` past the first `skip` bytes.
+    pub(crate) fn new(ranges: &[Range], skip: usize) -> Work {
+        let mut steps = Vec::new();
+        let mut skip = skip;
+        for &(addr, len) in ranges {
+            let mut off = skip.min(len);
+            skip -= off;
+            while off < len {
+                let n = STEP.min(len - off);
+                steps.push((addr + off, n));
+                off += n;
             }
-            let n = STEP.min(len - off);
-            // SAFETY: `[addr + off, addr + off + n)` lies inside a live
-            // allocation of the caller's (see above). MADV_POPULATE_WRITE
-            // faults pages in without changing their contents.
-            let rc = unsafe {
-                libc::madvise(
-                    (addr + off) as *mut libc::c_void,
-                    n,
-                    libc::MADV_POPULATE_WRITE,
-                )
+        }
+        Work {
+            steps,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// Faults pieces in, taking the next one not yet taken, until none is
+    /// left or `stop` is set. Any number of threads may run this at once.
+    ///
+    /// The caller keeps every range mapped until this returns; this only
+    /// issues `madvise` on the addresses and creates no reference to the
+    /// memory.
+    pub(crate) fn populate(&self, stop: &AtomicBool) {
+        while !stop.load(Ordering::Relaxed) {
+            let Some(&(addr, n)) = self.steps.get(self.next.fetch_add(1, Ordering::Relaxed)) else {
+                return;
             };
+            // SAFETY: `[addr, addr + n)` lies inside a live allocation of
+            // the caller's (see above). MADV_POPULATE_WRITE faults pages in
+            // without changing their contents.
+            let rc =
+                unsafe { libc::madvise(addr as *mut libc::c_void, n, libc::MADV_POPULATE_WRITE) };
             if rc != 0 {
                 let e = std::io::Error::last_os_error();
                 tracing::debug!("prefault stopped: madvise(MADV_POPULATE_WRITE): {e}");
                 return;
             }
-            off += n;
         }
     }
 }
@@ -65,18 +90,48 @@ mod tests {
     use crate::buffer::AlignedBuf;
 
     #[test]
+    fn the_work_is_every_byte_past_the_skip_in_order_in_steps() {
+        let ranges = [(1 << 30, 2 * STEP + 4096), (3 << 30, STEP)];
+        let steps = |skip| Work::new(&ranges, skip).steps;
+        assert_eq!(
+            steps(0),
+            [
+                (1 << 30, STEP),
+                ((1 << 30) + STEP, STEP),
+                ((1 << 30) + 2 * STEP, 4096),
+                (3 << 30, STEP)
+            ]
+        );
+        assert_eq!(
+            steps(STEP + 8192),
+            [((1 << 30) + STEP + 8192, STEP - 4096), (3 << 30, STEP)]
+        );
+        assert_eq!(steps(2 * STEP + 4096), [(3 << 30, STEP)]);
+        assert!(steps(3 * STEP + 4096).is_empty());
+        assert!(steps(usize::MAX).is_empty());
+    }
+
+    #[test]
     fn populating_keeps_the_bytes_and_stops_when_told() {
         let mut buf = AlignedBuf::zeroed(3 * STEP + 4096, 4096).unwrap();
         buf[..4096].fill(7);
         let range = (buf.as_ptr() as usize, buf.capacity());
         let half = (range.0 + range.1 / 2, range.1 / 2);
         for skip in [0, STEP, range.1 + 4096] {
-            populate(&[range, half], skip, &AtomicBool::new(false));
+            let work = Work::new(&[range, half], skip);
+            std::thread::scope(|s| {
+                for _ in 0..THREADS {
+                    s.spawn(|| work.populate(&AtomicBool::new(false)));
+                }
+            });
+            assert!(work.next.load(Ordering::Relaxed) >= work.steps.len());
         }
         assert!(buf[..4096].iter().all(|&b| b == 7));
         assert!(buf[4096..].iter().all(|&b| b == 0));
         // Stopped before the first step: returns at once, touches nothing.
-        populate(&[range], 0, &AtomicBool::new(true));
+        let work = Work::new(&[range], 0);
+        work.populate(&AtomicBool::new(true));
+        assert_eq!(work.next.load(Ordering::Relaxed), 0);
         assert!(buf[..4096].iter().all(|&b| b == 7));
     }
 }

@@ -143,7 +143,7 @@ fn probe_direct_read(path: &Path) -> io::Result<File> {
 /// `chunk_bytes` reads at aligned offsets (the last one rounded up to 4 KiB
 /// and ending short at end of file), all in one batch with `in_flight`
 /// outstanding. Reads land in place: no bounce buffer, no copy. With
-/// `cfg.prefault`, a helper thread faults the buffers in ahead of the reads
+/// `cfg.prefault`, helper threads fault the buffers in ahead of the reads
 /// while they run (see [`prefault`]).
 pub(crate) fn read_shards(
     shards: &[OpenShard],
@@ -184,20 +184,28 @@ pub(crate) fn read_shards(
         }
     }
     let stop = AtomicBool::new(false);
+    // The first `in_flight` reads are submitted at once and fault their own
+    // pages: the helpers start after them.
+    let work = prefault::Work::new(&ranges, cfg.in_flight.saturating_mul(cfg.chunk_bytes));
     let done = std::thread::scope(|s| {
         if cfg.prefault {
-            // The buffers outlive this scope. Failing to start the helper
-            // only costs speed. The first `in_flight` reads are submitted at
-            // once and fault their own pages: start after them.
-            let skip = cfg.in_flight.saturating_mul(cfg.chunk_bytes);
-            let helper = std::thread::Builder::new()
-                .name("kvtier-prefault".into())
-                .spawn_scoped(s, {
-                    let (ranges, stop) = (&ranges, &stop);
-                    move || prefault::populate(ranges, skip, stop)
-                });
-            if let Err(e) = helper {
-                tracing::debug!("no prefault thread: {e}");
+            // The buffers outlive this scope. Failing to start a helper only
+            // costs speed.
+            for i in 0..std::env::var("PF_THREADS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(prefault::THREADS)
+            {
+                let helper = std::thread::Builder::new()
+                    .name(format!("kvtier-prefault-{i}"))
+                    .spawn_scoped(s, {
+                        let (work, stop) = (&work, &stop);
+                        move || work.populate(stop)
+                    });
+                if let Err(e) = helper {
+                    tracing::debug!("no prefault thread: {e}");
+                    break;
+                }
             }
         }
         let done = engine.run_batch(ops, cfg.in_flight);
