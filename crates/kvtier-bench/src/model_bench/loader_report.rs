@@ -25,8 +25,9 @@ pub struct LoaderReport {
     /// Median over the repeats of each sample over the mean of the
     /// device-limit samples taken just before and after it.
     pub paired_fraction: f64,
-    /// `gbps / first_touch_gbps`: against the rate fresh RAM can be faulted
-    /// in at.
+    /// `gbps / first_touch_gbps`: against the rate one thread can fault
+    /// fresh RAM in at (a cap for a loader that faults on one thread;
+    /// kvtier's prefault uses several, so it can pass 1).
     pub fraction_of_first_touch: f64,
     /// `gbps` over `naive`'s in the same mode.
     pub ratio_vs_naive: Option<f64>,
@@ -221,7 +222,11 @@ fn render_table(r: &ModelBenchReport) -> String {
     );
     let _ = writeln!(
         out,
-        "load; of touch: over the first-touch rate (a cap for any load into fresh RAM)."
+        "load; of touch: over the one-thread first-touch rate (a cap for a loader that"
+    );
+    let _ = writeln!(
+        out,
+        "faults fresh RAM in on one thread; kvtier's prefault uses several)."
     );
     for n in notes {
         let _ = writeln!(out, "note: {n}");
