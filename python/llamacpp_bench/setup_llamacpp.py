@@ -78,6 +78,9 @@ def cached(dir: Path, what: str, make: Callable[[Path], None]) -> Path:
 def run(cmd: list[str | Path], **kw: object) -> None:
     shown = ["<code>" if prev == "-c" else str(c) for prev, c in zip(["", *cmd], cmd)]
     log("+ " + " ".join(shown))
+    # Their output goes to stderr with the progress: stdout carries only
+    # the bench's result (one JSON object with --json).
+    kw.setdefault("stdout", sys.stderr)
     subprocess.run([str(c) for c in cmd], check=True, **kw)  # type: ignore[call-overload]
 
 
