@@ -501,7 +501,12 @@ fn logprob(v: &Value) -> f64 {
 
 #[test]
 fn completion_logprobs_have_openai_shape_and_name_tokens_by_id_on_request() {
-    let s = Server::start(|_| ());
+    // Without prefix reuse every request computes its prompt the same way,
+    // so the values below compare bit for bit. (With it, a repeat computes
+    // the prompt's last token in the decode step, whose sums run in another
+    // order than the prefill's matmul: equal within rounding, checked in
+    // `repeated_logprobs_agree_within_rounding_through_prefix_reuse`.)
+    let s = Server::start(|o| o.prefix_reuse = false);
     let body = json!({"model": "tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0,
                       "logprobs": 3, "ignore_eos": true, "return_tokens_as_token_ids": true});
     let v = complete(&s, body.clone());
@@ -547,6 +552,36 @@ fn completion_logprobs_have_openai_shape_and_name_tokens_by_id_on_request() {
         .cloned()
         .collect();
     assert_eq!(Value::Array(got), lp["token_logprobs"]);
+}
+
+#[test]
+fn repeated_logprobs_agree_within_rounding_through_prefix_reuse() {
+    let s = Server::start(|_| ());
+    let body = json!({"model": "tiny", "prompt": long_prompt(30), "max_tokens": 6,
+                      "temperature": 0, "logprobs": 2, "ignore_eos": true});
+    let a = complete(&s, body.clone());
+    let b = complete(&s, body);
+    assert!(
+        b["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    let (la, lb) = (&a["choices"][0]["logprobs"], &b["choices"][0]["logprobs"]);
+    assert_eq!(la["tokens"], lb["tokens"]);
+    let values = |l: &Value| -> Vec<f64> {
+        l["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(logprob)
+            .collect()
+    };
+    let (va, vb) = (values(la), values(lb));
+    assert_eq!(va.len(), 6);
+    for (x, y) in va.iter().zip(&vb) {
+        assert!((x - y).abs() <= 1e-5 * (1.0 + x.abs()), "{va:?} vs {vb:?}");
+    }
 }
 
 #[test]
