@@ -182,65 +182,109 @@ pub(crate) fn simd512() -> bool {
     *HAS.get_or_init(|| std::is_x86_feature_detected!("avx512f"))
 }
 
-/// [`block`] with AVX-512, one weight row at a time.
+/// Weight rows per pass of [`block_avx512`]: each 16-value piece of `x`
+/// is loaded once for all of them, and their streams are in flight at
+/// once. On an AVX-512 VM, decode against one row per pass: 4 rows 12-26 %
+/// faster at 1 thread and 17-22 % at 2, 8 rows about 2 % more again
+/// (docs/benchmarks.md, "AVX-512"). 8 rows keep 16 accumulators and the
+/// two `x` pieces in 32 vector registers.
+#[cfg(target_arch = "x86_64")]
+const ROWS_PER_PASS: usize = 8;
+
+/// [`block`] with AVX-512: [`ROWS_PER_PASS`] weight rows per pass, each
+/// dotted with every row of `x`. Every output is [`dots_avx512`]'s, with
+/// the same sums in the same order whatever `m` and wherever the row falls,
+/// so a sequence's logits do not depend on what it is batched with.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn block_avx512(w: &[f32], k: usize, xs: &[f32], m: usize, out: &mut [f32]) {
-    for (j, ys) in out.chunks_exact_mut(m).enumerate() {
-        let wrow = &w[j * k..(j + 1) * k];
-        for (r, y) in ys.iter_mut().enumerate() {
+    const P: usize = ROWS_PER_PASS;
+    let rows = out.len() / m;
+    let whole = rows / P * P;
+    for j in (0..whole).step_by(P) {
+        let wr = &w[j * k..(j + P) * k];
+        for r in 0..m {
             // SAFETY: the CPU has AVX-512F (this function's contract).
-            *y = unsafe { dot_avx512(wrow, &xs[r * k..(r + 1) * k]) };
+            let y = unsafe { dots_avx512::<P>(wr, k, &xs[r * k..(r + 1) * k]) };
+            for (u, v) in y.into_iter().enumerate() {
+                out[(j + u) * m + r] = v;
+            }
+        }
+    }
+    for j in whole..rows {
+        let wr = &w[j * k..(j + 1) * k];
+        for r in 0..m {
+            // SAFETY: as above.
+            let [y] = unsafe { dots_avx512::<1>(wr, k, &xs[r * k..(r + 1) * k]) };
+            out[j * m + r] = y;
         }
     }
 }
 
-/// [`dot`] with four 16-wide FMA accumulators, the last values (fewer
-/// than 64) through masked loads. Against [`dot_avx2`] on an AVX-512 VM,
-/// 1 and 2 threads: decode 8-11 % and 4-18 % faster (docs/benchmarks.md,
-/// "AVX-512").
+/// [`dot`] with AVX-512 ([`dots_avx512`] for one row).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
     let n = a.len().min(b.len());
-    let blocks = n / 64;
-    let (pa, pb) = (a.as_ptr(), b.as_ptr());
-    // SAFETY: every full load reads 16 floats at an offset below
-    // `blocks * 64 <= n`; the masked loads read only lanes below `n`.
+    // SAFETY: the CPU has AVX-512F (this function's contract); `a` holds
+    // at least `n` values.
+    let [y] = unsafe { dots_avx512::<1>(&a[..n], n, &b[..n]) };
+    y
+}
+
+/// The dot products of the `N` consecutive rows of `w` (`k` values each)
+/// with `x` (`k` values): two 16-wide FMA accumulators per row, the last
+/// values (fewer than 16) through masked loads. Panics when `w` holds
+/// fewer than `N * k` values or `x` fewer than `k`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dots_avx512<const N: usize>(w: &[f32], k: usize, x: &[f32]) -> [f32; N] {
+    use std::arch::x86_64::*;
+    assert!(w.len() >= N * k && x.len() >= k);
+    let (pw, px) = (w.as_ptr(), x.as_ptr());
+    let mut out = [0f32; N];
+    // SAFETY: every load reads lanes below `k` of `x` and of row `u < N`
+    // of `w` (full loads below `k`, masked loads for the rest), all inside
+    // the slices checked above; loadu has no alignment requirement.
     unsafe {
-        let mut acc = [_mm512_setzero_ps(); 4];
-        for i in 0..blocks {
-            let o = i * 64;
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        let mut o = 0;
+        while o + 32 <= k {
+            let x0 = _mm512_loadu_ps(px.add(o));
+            let x1 = _mm512_loadu_ps(px.add(o + 16));
             for (u, acc) in acc.iter_mut().enumerate() {
-                let x = _mm512_loadu_ps(pa.add(o + 16 * u));
-                let y = _mm512_loadu_ps(pb.add(o + 16 * u));
-                *acc = _mm512_fmadd_ps(x, y, *acc);
+                let row = pw.add(u * k + o);
+                acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(row), x0, acc[0]);
+                acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(row.add(16)), x1, acc[1]);
             }
+            o += 32;
         }
-        let mut o = blocks * 64;
-        while o < n {
-            let left = (n - o).min(16);
+        while o < k {
+            let left = (k - o).min(16);
             let mask: __mmask16 = if left == 16 {
                 0xFFFF
             } else {
                 (1u16 << left) - 1
             };
-            let x = _mm512_maskz_loadu_ps(mask, pa.add(o));
-            let y = _mm512_maskz_loadu_ps(mask, pb.add(o));
-            acc[0] = _mm512_fmadd_ps(x, y, acc[0]);
+            let x0 = _mm512_maskz_loadu_ps(mask, px.add(o));
+            for (u, acc) in acc.iter_mut().enumerate() {
+                let row = _mm512_maskz_loadu_ps(mask, pw.add(u * k + o));
+                acc[0] = _mm512_fmadd_ps(row, x0, acc[0]);
+            }
             o += 16;
         }
-        _mm512_reduce_add_ps(_mm512_add_ps(
-            _mm512_add_ps(acc[0], acc[1]),
-            _mm512_add_ps(acc[2], acc[3]),
-        ))
+        for (y, acc) in out.iter_mut().zip(&acc) {
+            *y = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+        }
     }
+    out
 }
 
 /// [`block`] with AVX2, one weight row at a time. (Four rows per pass,
-/// each `x` load feeding four FMAs, measured slower: 37 vs 40 tok/s at 1
-/// thread, 56 vs 60 at 2, and so did a software prefetch 2 KiB ahead.)
+/// each `x` load feeding four FMAs, measured slower with AVX2 on the VM of
+/// 2026-11: 37 vs 40 tok/s at 1 thread, 56 vs 60 at 2, and so did a
+/// software prefetch 2 KiB ahead. With AVX-512, on the VM of 2026-12-04,
+/// rows per pass paid: [`ROWS_PER_PASS`].)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn block_avx2(w: &[f32], k: usize, xs: &[f32], m: usize, out: &mut [f32]) {
@@ -366,6 +410,20 @@ mod tests {
                         "{m}x{n}x{k}: {a} vs {b}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn a_rows_result_does_not_depend_on_its_batch() {
+        let dev = Device::Cpu;
+        for (n, k) in [(130, 77), (67, 768), (5, 16)] {
+            let w = Tensor::from_vec(values(n * k, 2.0), (n, k), &dev).unwrap();
+            let xs = values(5 * k, 1.0);
+            let batched = rows(&xs, 5, &w, None).unwrap().unwrap();
+            for r in 0..5 {
+                let alone = rows(&xs[r * k..(r + 1) * k], 1, &w, None).unwrap().unwrap();
+                assert_eq!(alone[..], batched[r * n..(r + 1) * n], "{n}x{k} row {r}");
             }
         }
     }
