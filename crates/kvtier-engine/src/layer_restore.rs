@@ -27,6 +27,7 @@
 //! rest of the prompt is recomputed (`Engine::step`).
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_store::{KvLayout, LayerSink, Tier};
@@ -62,7 +63,6 @@ impl Landed {
 
 /// Receives a restore's layers from the store into G1 pages (one per key
 /// asked for) and lets the forward pass wait for each layer.
-#[derive(Debug)]
 pub(crate) struct RestoreSink {
     writer: PageWriter,
     layout: KvLayout,
@@ -71,6 +71,20 @@ pub(crate) struct RestoreSink {
     changed: Condvar,
     /// How much the store's read yields the CPU (`LayerSink::yield_factor`).
     yield_factor: f64,
+    /// Runs once the plan is known. A scheduler asleep until the read is
+    /// done would otherwise attach the sequence only then, and the forward
+    /// pass would overlap none of the read.
+    on_planned: Arc<dyn Fn() + Send + Sync>,
+}
+
+impl std::fmt::Debug for RestoreSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RestoreSink")
+            .field("pages", &self.pages)
+            .field("landed", &self.landed)
+            .field("yield_factor", &self.yield_factor)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RestoreSink {
@@ -78,18 +92,21 @@ impl RestoreSink {
     /// blocks of `layout`; the store's read yields the CPU by
     /// `yield_factor` (`LayerSink::yield_factor`: after each piece decoded
     /// here it sleeps that many times as long as the piece took; 0,
-    /// negative or not finite: never).
+    /// negative or not finite: never); `on_planned` runs (on a store
+    /// thread) once the store has said which blocks it will hand over.
     pub(crate) fn new(
         writer: PageWriter,
         layout: KvLayout,
         pages: Vec<PageId>,
         yield_factor: f64,
+        on_planned: Arc<dyn Fn() + Send + Sync>,
     ) -> Self {
         let n = pages.len();
         Self {
             writer,
             layout,
             yield_factor,
+            on_planned,
             landed: Mutex::new(Landed {
                 layers: vec![vec![false; n]; layout.layers as usize],
                 failed: vec![false; n],
@@ -203,9 +220,12 @@ impl LayerSink for RestoreSink {
     }
 
     fn planned(&self, tiers: &[Tier]) {
-        let mut st = self.landed.lock();
-        st.planned = Some(tiers.iter().copied().take(self.pages.len()).collect());
-        self.changed.notify_all();
+        {
+            let mut st = self.landed.lock();
+            st.planned = Some(tiers.iter().copied().take(self.pages.len()).collect());
+            self.changed.notify_all();
+        }
+        (self.on_planned)();
     }
 
     fn yield_factor(&self) -> f64 {

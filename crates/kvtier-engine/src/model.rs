@@ -63,12 +63,13 @@ pub struct Model {
     device: Device,
 }
 
-/// `x Wᵀ + b`: by the decode kernel for a few rows ([`crate::gemv`]), by
-/// candle's gemm otherwise.
 /// Called with each layer's index before that layer touches the KV pool
-/// ([`Model::forward_gated`]).
+/// ([`Model::forward_gated`]): after its Q/K/V projection, which needs no
+/// KV, so a layer-wise restore's wait overlaps that much of the layer.
 pub(crate) type LayerGate<'a> = &'a (dyn Fn(usize) + Sync);
 
+/// `x Wᵀ + b`: by the decode kernel for a few rows ([`crate::gemv`]), by
+/// candle's gemm otherwise.
 fn project(lin: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
     match crate::gemv::linear(x, lin.weight(), lin.bias())? {
         Some(y) => Ok(y),
@@ -208,8 +209,8 @@ impl Model {
     }
 
     /// [`forward`](Self::forward), calling `gate(l)` before layer `l`
-    /// touches the pool: a layer-wise restore waits there for that layer
-    /// of the prefix ([`crate::layer_restore`]).
+    /// touches the pool (after its Q/K/V projection): a layer-wise restore
+    /// waits there for that layer of the prefix ([`crate::layer_restore`]).
     pub(crate) fn forward_gated(
         &self,
         pool: &KvPool,
@@ -289,9 +290,9 @@ impl Model {
         // so made once here rather than built and copied over per layer.
         let mut masks: Vec<[Option<Tensor>; 2]> = vec![[None, None]; segs.len()];
         for (li, layer) in self.layers.iter().enumerate() {
-            gate(li);
             let hn = candle_nn::ops::rms_norm(&x, &layer.input_norm, eps)?;
             let qkv = project(&layer.qkv, &hn)?;
+            gate(li);
             let mut outs = Vec::with_capacity(segs.len());
             let mut off = 0;
             for (si, (s, &keys)) in segs.iter().zip(&keys).enumerate() {

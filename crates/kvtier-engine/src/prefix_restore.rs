@@ -129,18 +129,22 @@ pub struct Attached {
 impl Engine {
     /// Starts a sequence without waiting on the store: checks the prompt,
     /// attaches the G1 pages of its cached prefix and starts one background
-    /// read of the rest of the prefix from the store. `on_restored` runs
+    /// read of the rest of the prefix from the store. `on_progress` runs
     /// (on a store thread) once that read is done, or at once when none was
-    /// needed; until then [`restore_done`](Self::restore_done) is false.
+    /// needed; until then [`restore_done`](Self::restore_done) is false. For
+    /// a layer-wise restore it also runs once the store knows which blocks
+    /// it will hand over, when [`restore_started`](Self::restore_started)
+    /// may turn true: a caller that sleeps between its checks attaches the
+    /// sequence then, and its forward pass overlaps the rest of the read.
     /// Then [`attach`](Self::attach) the restored blocks and compute the
     /// rest with [`step`](Self::step)s (or [`finish`](Self::finish) to give
     /// up).
     pub fn begin(
         &mut self,
         prompt: &[u32],
-        on_restored: impl FnOnce() + Send + 'static,
+        on_progress: impl Fn() + Send + Sync + 'static,
     ) -> Result<SeqId, EngineError> {
-        self.begin_salted(prompt, b"", on_restored)
+        self.begin_salted(prompt, b"", on_progress)
     }
 
     /// [`begin`](Self::begin) with the request's own `salt` in its block
@@ -151,7 +155,7 @@ impl Engine {
         &mut self,
         prompt: &[u32],
         salt: &[u8],
-        on_restored: impl FnOnce() + Send + 'static,
+        on_progress: impl Fn() + Send + Sync + 'static,
     ) -> Result<SeqId, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::Request("empty prompt".into()));
@@ -180,9 +184,11 @@ impl Engine {
             gated: false,
         };
         let read_done = begun.read_done.clone();
+        let on_progress: Arc<dyn Fn() + Send + Sync> = Arc::new(on_progress);
+        let progress = on_progress.clone();
         let mut notify: Option<Box<dyn FnOnce() + Send>> = Some(Box::new(move || {
             let _ = read_done.set(Instant::now());
-            on_restored();
+            progress();
         }));
         let chain = self.keychain.salted(salt);
         self.seqs.insert(
@@ -200,7 +206,7 @@ impl Engine {
             },
         );
         if self.opts.prefix_reuse
-            && let Err(e) = self.find_cached(id, &mut begun, &mut notify)
+            && let Err(e) = self.find_cached(id, &mut begun, &mut notify, &on_progress)
         {
             self.finish(id);
             return Err(e);
@@ -215,13 +221,15 @@ impl Engine {
     }
 
     /// Attaches a new sequence's G1 hits and starts the store read of the
-    /// rest of its cached prefix (taking `notify` for it), or, when G1
+    /// rest of its cached prefix (taking `notify` for it; a layer-wise
+    /// read also calls `planned` once its plan is known), or, when G1
     /// holds it all or there is no store, copies the tail from G1 now.
     fn find_cached(
         &mut self,
         id: SeqId,
         begun: &mut Begun,
         notify: &mut Option<Box<dyn FnOnce() + Send>>,
+        planned: &Arc<dyn Fn() + Send + Sync>,
     ) -> Result<(), EngineError> {
         let bt = self.opts.block_tokens;
         let Some(seq) = self.seqs.get(&id) else {
@@ -265,7 +273,7 @@ impl Engine {
                 rest.push(k);
             }
             let alone = self.seqs.len() == 1;
-            let sink = self.layer_sink(id, rest.len(), alone);
+            let sink = self.layer_sink(id, rest.len(), alone, planned.clone());
             begun.gated = sink.is_some() && alone;
             let Some(store) = &self.store else {
                 return Ok(());
@@ -388,7 +396,13 @@ impl Engine {
     /// the store must not hold up anyone's decode. Beside others, the
     /// store's threads yield to their steps
     /// ([`crate::EngineOptions::restore_yield`]).
-    fn layer_sink(&mut self, id: SeqId, n: usize, alone: bool) -> Option<Arc<RestoreSink>> {
+    fn layer_sink(
+        &mut self,
+        id: SeqId,
+        n: usize,
+        alone: bool,
+        on_planned: Arc<dyn Fn() + Send + Sync>,
+    ) -> Option<Arc<RestoreSink>> {
         if !self.opts.layerwise_restore || n == 0 {
             return None;
         }
@@ -416,6 +430,7 @@ impl Engine {
             self.kv_layout,
             pages,
             yield_factor,
+            on_planned,
         )))
     }
 

@@ -369,6 +369,37 @@ fn the_layered_path_is_taken_and_reported_only_when_the_engine_is_idle() {
     assert_eq!(e.free_pages(), free, "no page lost");
 }
 
+#[test]
+fn a_layer_wise_restore_tells_its_caller_when_it_can_start_and_when_it_is_done() {
+    let m = tempfile::tempdir().unwrap();
+    write_preset(Preset::Tiny, 4, m.path()).unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mut e = Engine::load(m.path(), opts(true), Some(store_opts(cache.path()))).unwrap();
+    let p = prompt(50, 2);
+    prefill_and_store(&mut e, &p);
+    on_disk_only(&mut e);
+    // A caller that sleeps between its checks (the scheduler) is woken
+    // once the plan is known, so it attaches the sequence while the read
+    // is still going, and again once the read is done.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    let id = e
+        .begin(&p, move || {
+            let _ = tx.lock().unwrap().send(());
+        })
+        .unwrap();
+    let wait = std::time::Duration::from_secs(30);
+    rx.recv_timeout(wait).expect("woken once the plan is known");
+    assert!(e.restore_started(id), "the forward pass can start");
+    rx.recv_timeout(wait)
+        .expect("woken again once the read is done");
+    assert!(e.restore_done(id));
+    let a = e.attach(id).unwrap();
+    assert!(a.layer_wise);
+    assert_eq!(a.cached.g3, 49);
+    e.finish(id);
+}
+
 /// Beside another sequence the store's thread yields the CPU after each
 /// piece it decodes into G1 (`EngineOptions::restore_yield`): the KV that
 /// lands is the same however much it yields, and equals recompute.

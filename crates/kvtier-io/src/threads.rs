@@ -11,9 +11,31 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::io_op::{IoDone, IoKind, IoOp, finish};
 
 /// Runs `ops` with up to `in_flight` threads, calling `f` on each op as it
-/// completes (on the thread that ran it); results in submission order.
+/// completes (on the thread that ran it); results in submission order. The
+/// first `first` ops run alone, the rest once all of those are done.
 pub(crate) fn run_batch_map<'f, T, F>(
+    mut ops: Vec<IoOp<'f>>,
+    first: usize,
+    in_flight: usize,
+    f: &F,
+) -> Vec<(IoDone<'f>, T)>
+where
+    T: Send,
+    F: Fn(usize, &IoDone<'f>) -> T + Sync,
+{
+    if first == 0 || first >= ops.len() {
+        return run_wave(ops, 0, in_flight, f);
+    }
+    let rest = ops.split_off(first);
+    let mut out = run_wave(ops, 0, in_flight, f);
+    out.extend(run_wave(rest, first, in_flight, f));
+    out
+}
+
+/// [`run_batch_map`] of one wave, whose ops are `offset..` of the batch.
+fn run_wave<'f, T, F>(
     ops: Vec<IoOp<'f>>,
+    offset: usize,
     in_flight: usize,
     f: &F,
 ) -> Vec<(IoDone<'f>, T)>
@@ -35,7 +57,7 @@ where
             let op = slots[i].lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(op) = op {
                 let done = run_one(op);
-                let t = f(i, &done);
+                let t = f(offset + i, &done);
                 *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some((done, t));
             }
         }

@@ -76,9 +76,11 @@ fn with_ring<R>(f: impl FnOnce(&mut IoUring) -> R) -> Option<R> {
 }
 
 /// Runs a batch on this thread's ring, calling `f` on each op as it
-/// completes, while the others are still in flight.
+/// completes, while the others are still in flight; the first `first` ops
+/// go alone, the rest once all of those are done (see `drive`).
 pub(crate) fn run_batch_map<'f, T, F>(
     ops: Vec<IoOp<'f>>,
+    first: usize,
     in_flight: usize,
     f: &F,
 ) -> Vec<(IoDone<'f>, T)>
@@ -91,7 +93,8 @@ where
     let out = with_ring(|ring| {
         let mut it = ops.take().into_iter().flatten();
         let mut results: Vec<Option<(IoDone<'f>, T)>> = (0..n).map(|_| None).collect();
-        drive(ring, in_flight, &mut || it.next(), &mut |i, d| {
+        let order = Order::SubmitFirst { first };
+        drive(ring, in_flight, order, &mut || it.next(), &mut |i, d| {
             let t = f(i, &d);
             results[i] = Some((d, t));
         });
@@ -99,7 +102,7 @@ where
     });
     match (out, ops) {
         (Some(out), _) => out,
-        (None, Some(ops)) => crate::threads::run_batch_map(ops, in_flight, f),
+        (None, Some(ops)) => crate::threads::run_batch_map(ops, first, in_flight, f),
         (None, None) => Vec::new(),
     }
 }
@@ -115,22 +118,66 @@ pub(crate) fn run_stream<'f>(
 ) {
     // The closures move into `with_ring` only by reference, so the
     // fallback below can still use them.
-    let ran = with_ring(|ring| drive(ring, in_flight, &mut *next, &mut *on_done));
+    let ran = with_ring(|ring| {
+        drive(
+            ring,
+            in_flight,
+            Order::HandBackFirst,
+            &mut *next,
+            &mut *on_done,
+        )
+    });
     if ran.is_none() {
         crate::threads::run_stream(in_flight, next, on_done);
     }
 }
 
+/// Which comes first once ops complete: their hand-back or the next
+/// submissions.
+#[derive(Clone, Copy)]
+enum Order {
+    /// A stream: the finished ops go back first, because the next op may
+    /// be made of a buffer one of them returns (a writer refilling it).
+    HandBackFirst,
+    /// A batch (every op exists already): new ops are submitted before
+    /// the finished ones are handed back, so the device works while
+    /// `on_done` runs, and a caller whose `on_done` wakes a thread that
+    /// takes this one's CPU has its next reads in the kernel already. The
+    /// first `first` ops are a wave of their own: no later op is pulled
+    /// before all of them are done, so they have the device to themselves.
+    SubmitFirst { first: usize },
+}
+
+/// Hands the finished ops in `ready` to `on_done`, freeing their slots.
+fn hand_back<'f>(
+    ready: &mut Vec<usize>,
+    slots: &mut [Option<Pending<'f>>],
+    free: &mut Vec<usize>,
+    on_done: &mut dyn FnMut(usize, IoDone<'f>),
+) {
+    for s in ready.drain(..) {
+        let Some(p) = slots[s].take() else { continue };
+        free.push(s);
+        on_done(p.seq, finish(p.op.kind, p.op.buf, p.done, p.err));
+    }
+}
+
 /// The submission loop: pulls ops from `next` whenever fewer than
 /// `in_flight` are in the kernel, resubmits partial transfers, and hands
-/// each finished op to `on_done` with its position in the stream. Returns
-/// once `next` is exhausted and every op has been handed back.
+/// each finished op to `on_done` with its position in the stream, in
+/// `order` with the next submissions. Returns once `next` is exhausted and
+/// every op has been handed back.
 fn drive<'f>(
     ring: &mut IoUring,
     in_flight: usize,
+    order: Order,
     next: &mut dyn FnMut() -> Option<IoOp<'f>>,
     on_done: &mut dyn FnMut(usize, IoDone<'f>),
 ) {
+    let first = match order {
+        Order::SubmitFirst { first } => first,
+        Order::HandBackFirst => 0,
+    };
     // Ops the kernel may hold, by slot; the slot index is the user data.
     let mut slots: Vec<Option<Pending<'f>>> = Vec::new();
     let mut free: Vec<usize> = Vec::new();
@@ -141,13 +188,19 @@ fn drive<'f>(
     let mut seq = 0usize;
     let mut exhausted = false;
     let mut ring_err: Option<io::Error> = None;
+    // Ops of the first wave not done yet.
+    let mut first_left = first;
 
     loop {
+        if matches!(order, Order::HandBackFirst) {
+            hand_back(&mut ready, &mut slots, &mut free, on_done);
+        }
         // Fill the ring up to the in-flight limit.
+        let mut pushed = false;
         while ring_err.is_none() && outstanding < in_flight {
             let s = match retry.pop_front() {
                 Some(s) => s,
-                None if exhausted => break,
+                None if exhausted || (seq >= first && first_left > 0) => break,
                 None => {
                     let Some(op) = next() else {
                         exhausted = true;
@@ -176,6 +229,7 @@ fn drive<'f>(
             let op = &mut p.op;
             let remaining = op.buf.len() - p.done;
             if remaining == 0 {
+                first_left = first_left.saturating_sub(usize::from(p.seq < first));
                 ready.push(s);
                 continue;
             }
@@ -189,6 +243,7 @@ fn drive<'f>(
                 IoKind::Read => {
                     let Some(b) = op.buf.read_target() else {
                         // A shared buffer cannot be read into; `finish` reports it.
+                        first_left = first_left.saturating_sub(usize::from(p.seq < first));
                         ready.push(s);
                         continue;
                     };
@@ -208,8 +263,16 @@ fn drive<'f>(
                 break;
             }
             outstanding += 1;
+            pushed = true;
         }
-        if outstanding == 0 && ready.is_empty() {
+        if pushed {
+            // Into the kernel now, before the callbacks below; an error
+            // here shows again at the wait, which submits too.
+            let _ = ring.submit();
+        }
+        // Hand completed ops back while the rest stay in flight.
+        hand_back(&mut ready, &mut slots, &mut free, on_done);
+        if outstanding == 0 {
             if exhausted && retry.is_empty() {
                 return;
             }
@@ -266,32 +329,28 @@ fn drive<'f>(
                     continue;
                 };
                 outstanding -= 1;
-                if res < 0 {
+                let finished = if res < 0 {
                     let errno = -res;
                     if errno == libc::EINTR || errno == libc::EAGAIN {
-                        retry.push_back(s);
+                        false
                     } else {
                         p.err = Some(io::Error::from_raw_os_error(errno));
-                        ready.push(s);
+                        true
                     }
                 } else if res == 0 {
                     // End of file for reads; a zero-byte write is reported by `finish`.
-                    ready.push(s);
+                    true
                 } else {
                     p.done += res as usize;
-                    if p.done >= p.op.buf.len() {
-                        ready.push(s);
-                    } else {
-                        retry.push_back(s);
-                    }
+                    p.done >= p.op.buf.len()
+                };
+                if finished {
+                    first_left = first_left.saturating_sub(usize::from(p.seq < first));
+                    ready.push(s);
+                } else {
+                    retry.push_back(s);
                 }
             }
-        }
-        // Hand completed ops back while the rest stay in flight.
-        for s in ready.drain(..) {
-            let Some(p) = slots[s].take() else { continue };
-            free.push(s);
-            on_done(p.seq, finish(p.op.kind, p.op.buf, p.done, p.err));
         }
     }
 }

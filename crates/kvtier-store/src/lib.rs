@@ -15,6 +15,7 @@
 pub mod admission;
 pub mod block;
 pub mod codec;
+mod codec_stream;
 pub mod disk;
 pub mod eviction;
 mod handle;

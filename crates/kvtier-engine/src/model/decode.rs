@@ -62,8 +62,7 @@ impl Model {
             return Ok(None);
         };
         for (li, layer) in self.layers.iter().enumerate() {
-            gate(li);
-            let Some(()) = self.decode_layer(pool, li, layer, segs, &mut x, eps)? else {
+            let Some(()) = self.decode_layer(pool, (li, gate), layer, segs, &mut x, eps)? else {
                 return Ok(None);
             };
         }
@@ -77,12 +76,13 @@ impl Model {
         Ok(Some(Tensor::from_vec(logits, (m, vocab), &self.device)?))
     }
 
-    /// One layer of the decode step over the residual rows `x` (updated in
-    /// place); `None` when a weight is not on the host.
+    /// One layer (`li`, gated by `gate` before it touches the pool) of the
+    /// decode step over the residual rows `x` (updated in place); `None`
+    /// when a weight is not on the host.
     fn decode_layer(
         &self,
         pool: &KvPool,
-        li: usize,
+        (li, gate): (usize, LayerGate<'_>),
         layer: &Layer,
         segs: &[Segment<'_>],
         x: &mut [f32],
@@ -98,6 +98,7 @@ impl Model {
         let Some(mut qkv) = gemv::rows(&hn, m, layer.qkv.weight(), layer.qkv.bias())? else {
             return Ok(None);
         };
+        gate(li);
         let width = q_out + 2 * kv_out;
         for (row, s) in qkv.chunks_exact_mut(width).zip(segs) {
             let (q, kv) = row.split_at_mut(q_out);

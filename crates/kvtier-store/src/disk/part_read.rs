@@ -1,7 +1,8 @@
 //! G3 reads in parts, for a layer-wise restore: each slot is read as
 //! several aligned parts, issued part-major across the batch (every block's
 //! first part, then every block's second, ...), so the first layers of a
-//! whole prefix land before its last ones. Each time a block's leading run
+//! whole prefix land before its last ones; the first parts go alone, as a
+//! first wave, so they land at the device's full speed. Each time a block's leading run
 //! of landed parts grows, the caller sees those bytes at once, unverified,
 //! while the rest is still in flight; the payload's checksum is summed part
 //! by part as they land, and the block is verified as a whole (header, key,
@@ -155,7 +156,16 @@ impl DiskTier {
         let t = Instant::now();
         // The callback saw every part it needed; the ops' buffers are raw
         // targets inside `bufs`, which come back below.
-        drop(self.engine.run_batch_map(ops, self.in_flight, on_done));
+        // Two waves: every block's first part alone, then the rest. With
+        // all of them in flight at once the device shares its bandwidth
+        // among them, and the first parts, the ones a layer-wise restore
+        // waits on before it can compute anything, landed with the last
+        // (1.3-1.6 ms for a 3-block prefix of the `small` preset on the
+        // reference VM, against 0.3 ms alone). The rest is in the kernel
+        // before the first wave is handed over: the hand-over wakes the
+        // forward pass, which may take this thread's CPU until its next
+        // layer is due.
+        drop(self.engine.run_waves_map(ops, n, self.in_flight, on_done));
         self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
         let outcomes = plan
             .iter()
