@@ -310,6 +310,31 @@ mod tests {
         }
     }
 
+    /// Writes `n` patterned pieces of `len` bytes to `file` and returns
+    /// the reads of them, in order.
+    fn patterned_reads<'f>(
+        engine: &IoEngine,
+        file: &'f File,
+        n: usize,
+        len: usize,
+    ) -> Vec<IoOp<'f>> {
+        let ops = (0..n)
+            .map(|i| IoOp::write(file, (i * len) as u64, pattern(i, len)))
+            .collect();
+        for d in engine.run_batch(ops, 8) {
+            assert_eq!(d.result.unwrap(), len);
+        }
+        (0..n)
+            .map(|i| {
+                IoOp::read(
+                    file,
+                    (i * len) as u64,
+                    AlignedBuf::zeroed(len, 4096).unwrap(),
+                )
+            })
+            .collect()
+    }
+
     #[test]
     fn map_callback_sees_every_op_once_with_its_bytes() {
         let dir = tempfile::tempdir().unwrap();
@@ -317,19 +342,7 @@ mod tests {
             let path = dir.path().join(format!("m-{}", engine.backend().name()));
             let file = open_direct(&path, true, false).unwrap();
             let len = 8192;
-            let ops = (0..20)
-                .map(|i| IoOp::write(&file, (i * len) as u64, pattern(i, len)))
-                .collect();
-            engine.run_batch(ops, 8);
-            let ops = (0..20)
-                .map(|i| {
-                    IoOp::read(
-                        &file,
-                        (i * len) as u64,
-                        AlignedBuf::zeroed(len, 4096).unwrap(),
-                    )
-                })
-                .collect();
+            let ops = patterned_reads(&engine, &file, 20, len);
             let out = engine.run_batch_map(ops, 8, |i, d| (i, d.buf[..] == pattern(i, len)[..]));
             assert_eq!(out.len(), 20);
             for (k, (done, (i, matched))) in out.into_iter().enumerate() {
@@ -347,20 +360,8 @@ mod tests {
             let path = dir.path().join(format!("w-{}", engine.backend().name()));
             let file = open_direct(&path, true, false).unwrap();
             let len = 8192;
-            let ops = (0..24)
-                .map(|i| IoOp::write(&file, (i * len) as u64, pattern(i, len)))
-                .collect();
-            engine.run_batch(ops, 8);
             for first in [0, 1, 5, 23, 24, 40] {
-                let ops = (0..24)
-                    .map(|i| {
-                        IoOp::read(
-                            &file,
-                            (i * len) as u64,
-                            AlignedBuf::zeroed(len, 4096).unwrap(),
-                        )
-                    })
-                    .collect();
+                let ops = patterned_reads(&engine, &file, 24, len);
                 let seen = std::sync::Mutex::new(Vec::new());
                 let out = engine.run_waves_map(ops, first, 8, |i, d| {
                     seen.lock().unwrap().push(i);
