@@ -335,8 +335,10 @@ fn layer_wise_logits_equal_a_whole_prefix_restore_with_every_codec() {
     }
 }
 
-#[test]
-fn the_layered_path_is_taken_and_reported_only_when_the_engine_is_idle() {
+/// An engine (and its model and cache directories) whose store holds a
+/// 50-token prompt, which it returns, on disk only: 3 blocks and a 1-token
+/// tail to restore.
+fn a_50_token_prompt_on_disk_only() -> ([tempfile::TempDir; 2], Engine, Vec<u32>) {
     let m = tempfile::tempdir().unwrap();
     write_preset(Preset::Tiny, 4, m.path()).unwrap();
     let cache = tempfile::tempdir().unwrap();
@@ -344,6 +346,12 @@ fn the_layered_path_is_taken_and_reported_only_when_the_engine_is_idle() {
     let p = prompt(50, 2);
     prefill_and_store(&mut e, &p);
     on_disk_only(&mut e);
+    ([m, cache], e, p)
+}
+
+#[test]
+fn the_layered_path_is_taken_and_reported_only_when_the_engine_is_idle() {
+    let (_dirs, mut e, p) = a_50_token_prompt_on_disk_only();
     let id = e.begin(&p, || {}).unwrap();
     let a = e.attach(id).unwrap();
     assert!(a.layer_wise, "alone: layer by layer");
@@ -371,21 +379,14 @@ fn the_layered_path_is_taken_and_reported_only_when_the_engine_is_idle() {
 
 #[test]
 fn a_layer_wise_restore_tells_its_caller_when_it_can_start_and_when_it_is_done() {
-    let m = tempfile::tempdir().unwrap();
-    write_preset(Preset::Tiny, 4, m.path()).unwrap();
-    let cache = tempfile::tempdir().unwrap();
-    let mut e = Engine::load(m.path(), opts(true), Some(store_opts(cache.path()))).unwrap();
-    let p = prompt(50, 2);
-    prefill_and_store(&mut e, &p);
-    on_disk_only(&mut e);
+    let (_dirs, mut e, p) = a_50_token_prompt_on_disk_only();
     // A caller that sleeps between its checks (the scheduler) is woken
     // once the plan is known, so it attaches the sequence while the read
     // is still going, and again once the read is done.
     let (tx, rx) = std::sync::mpsc::channel();
-    let tx = std::sync::Mutex::new(tx);
     let id = e
         .begin(&p, move || {
-            let _ = tx.lock().unwrap().send(());
+            let _ = tx.send(());
         })
         .unwrap();
     let wait = std::time::Duration::from_secs(30);

@@ -307,29 +307,25 @@ pub fn decode(
     // f32 destinations that are 4-byte aligned (a G1 page, a torch
     // tensor) are written as f32: with streaming stores where the CPU
     // allows (`codec_stream`), else in a loop that vectorizes.
-    let out = if dtype == KvDtype::F32 {
-        bytemuck::try_cast_slice_mut::<u8, f32>(logical).ok()
-    } else {
-        None
-    };
-    if let Some(out) = out {
-        if crate::codec_stream::decode_f32(codec, group, stored, out) {
-            return Ok(());
-        }
-        if codec == KvCodec::None {
-            bytemuck::cast_slice_mut::<f32, u8>(out).copy_from_slice(stored);
-            return Ok(());
-        }
+    if dtype == KvDtype::F32
+        && let Ok(out) = bytemuck::try_cast_slice_mut::<u8, f32>(logical)
+        && crate::codec_stream::decode_f32(codec, group, stored, out)
+    {
+        return Ok(());
+    }
+    if codec == KvCodec::None {
+        logical.copy_from_slice(stored);
+        return Ok(());
+    }
+    if dtype == KvDtype::F32
+        && let Ok(out) = bytemuck::try_cast_slice_mut::<u8, f32>(logical)
+    {
         for (src, dst) in stored
             .chunks_exact(in_group)
             .zip(out.chunks_exact_mut(group))
         {
             decode_group_f32(codec, src, dst);
         }
-        return Ok(());
-    }
-    if codec == KvCodec::None {
-        logical.copy_from_slice(stored);
         return Ok(());
     }
     let mut tmp = vec![0f32; group];
