@@ -300,8 +300,13 @@ impl KvPool {
         payload: &[u8],
     ) -> Result<(), EngineError> {
         self.check_payload(layout, payload.len())?;
-        self.page_writer()
-            .import_layers(page, layout, 0..layout.layers, payload)
+        self.page_writer().import_layers(
+            page,
+            layout,
+            0..layout.layers,
+            payload,
+            self.mem.block_tokens,
+        )
     }
 
     /// The pool's memory without its page bookkeeping: what a store thread
@@ -449,16 +454,20 @@ impl PageWriter {
         (head * self.pages + page as usize) * self.block_tokens + offset
     }
 
-    /// Fills layers `layers` of `page` from `stored`, those layers' stored
-    /// bytes of a block of `layout` (one of the pool's store layouts; one
-    /// layer's bytes are a one-layer block's payload), each head of each
-    /// part decoded straight into the pool's memory on the CPU.
+    /// Fills the first `rows` token rows of layers `layers` of `page` from
+    /// `stored`, those layers' stored bytes of a block of `layout` (one of
+    /// the pool's store layouts; one layer's bytes are a one-layer block's
+    /// payload), each head of each part decoded straight into the pool's
+    /// memory on the CPU. A restored tail holds fewer rows than a block:
+    /// the rows after them are nobody's yet, and decoding them would be
+    /// work thrown away (the new tokens' K/V overwrite them).
     pub(crate) fn import_layers(
         &self,
         page: PageId,
         layout: &KvLayout,
         layers: std::ops::Range<u32>,
         stored: &[u8],
+        rows: usize,
     ) -> Result<(), EngineError> {
         let one = KvLayout {
             layers: 1,
@@ -470,15 +479,18 @@ impl PageWriter {
             || page as usize >= self.pages
             || per == 0
             || stored.len() != per * count
+            || rows > self.block_tokens
         {
             return Err(EngineError::Request(format!(
-                "{} stored bytes of layers {layers:?} do not fit page {page} of {} layers",
+                "{} stored bytes of {rows} rows of layers {layers:?} do not fit page {page} of {} \
+                 layers of {} rows",
                 stored.len(),
-                self.k.len()
+                self.k.len(),
+                self.block_tokens
             )));
         }
         if !crate::device::host_paths(&self.device) {
-            return self.import_to_device(page, &one, layers, stored);
+            return self.import_to_device(page, &one, (layers, rows), stored);
         }
         let run = (self.block_tokens * self.head_dim * 4) as u64;
         for (layer, bytes) in layers.zip(stored.chunks_exact(per)) {
@@ -488,7 +500,7 @@ impl PageWriter {
                 for h in 0..self.kv_heads {
                     t.inplace_op1(&WritePage {
                         offset: self.row(page, h, 0) * self.head_dim,
-                        elems: self.block_tokens * self.head_dim,
+                        elems: rows * self.head_dim,
                         layout: &one,
                         stored: bytes,
                         from: at,
@@ -501,44 +513,49 @@ impl PageWriter {
     }
 
     /// [`import_layers`](Self::import_layers) where the pool is not in host
-    /// memory (a GPU): every part of those layers is decoded into one host
-    /// buffer and crosses to the device in one copy; each head's rows are
-    /// then placed by a copy on the device, rather than each head crossing
-    /// on its own (an allocation and a round trip each). `stored` has been
-    /// checked to hold `layers` whole, each `one`'s payload.
+    /// memory (a GPU): the first `rows` rows of every part of those layers
+    /// are decoded into one host buffer and cross to the device in one
+    /// copy; each head's rows are then placed by a copy on the device,
+    /// rather than each head crossing on its own (an allocation and a round
+    /// trip each). `stored` has been checked to hold `layers` whole, each
+    /// `one`'s payload, and `rows` to fit a page.
     fn import_to_device(
         &self,
         page: PageId,
         one: &KvLayout,
-        layers: std::ops::Range<u32>,
+        (layers, rows): (std::ops::Range<u32>, usize),
         stored: &[u8],
     ) -> Result<(), EngineError> {
         // Called on the store's threads too (layer-wise restores).
         crate::device::bind_to_thread(&self.device)?;
         let run = self.block_tokens * self.head_dim * 4;
+        let used = rows * self.head_dim * 4;
         let per_layer = 2 * self.kv_heads;
         let per = one.stored_payload_bytes() as usize;
-        let mut host = vec![0u8; layers.len() * per_layer * run];
+        let parts = layers.len() * per_layer;
+        if parts * used == 0 {
+            return Ok(());
+        }
+        let mut host = vec![0u8; parts * used];
         for (bytes, out) in stored
             .chunks_exact(per)
-            .zip(host.chunks_exact_mut(per_layer * run))
+            .zip(host.chunks_exact_mut(per_layer * used))
         {
-            for (i, part) in out.chunks_exact_mut(run).enumerate() {
+            for (i, part) in out.chunks_exact_mut(used).enumerate() {
                 one.decode_into(bytes, (i * run) as u64, part)?;
             }
         }
-        let parts = layers.len() * per_layer;
         let all = Tensor::from_raw_buffer(
             &host,
             DType::F32,
-            &[parts * self.block_tokens, self.head_dim],
+            &[parts * rows, self.head_dim],
             &self.device,
         )?;
         let mut part = 0;
         for layer in layers {
             for t in [&self.k[layer as usize], &self.v[layer as usize]] {
                 for h in 0..self.kv_heads {
-                    let src = all.narrow(0, part * self.block_tokens, self.block_tokens)?;
+                    let src = all.narrow(0, part * rows, rows)?;
                     t.slice_set(&src, 0, self.row(page, h, 0))?;
                     part += 1;
                 }
@@ -803,7 +820,8 @@ mod tests {
     fn the_device_import_places_every_head_as_the_in_place_one_does() {
         // The path a GPU pool takes (one host buffer, one copy, heads
         // placed by slice_set), run on CPU tensors against the in-place
-        // path, with and without a codec, one layer and a run of layers.
+        // path, with and without a codec, one layer and a run of layers,
+        // a whole block and a tail of fewer rows.
         let pool = KvPool::new(3, 2, 4, 3, 4, &Device::Cpu).unwrap();
         let k = ramp();
         for layer in 0..3 {
@@ -812,20 +830,45 @@ mod tests {
                 .unwrap();
         }
         let w = pool.page_writer();
+        let zeros = pool.export(0).unwrap();
+        let plain = pool.store_layout(KvCodec::None);
         for codec in [KvCodec::None, KvCodec::Int8] {
             let layout = pool.store_layout(codec);
             let mut stored = vec![0u8; layout.stored_payload_bytes() as usize];
             pool.export_into(1, &layout, &mut stored).unwrap();
             let per = stored.len() / 3;
-            w.import_layers(2, &layout, 0..3, &stored).unwrap();
             let one = KvLayout {
                 layers: 1,
                 ..layout
             };
-            w.import_to_device(3, &one, 0..1, &stored[..per]).unwrap();
-            w.import_to_device(3, &one, 1..3, &stored[per..]).unwrap();
-            assert_eq!(pool.export(2).unwrap(), pool.export(3).unwrap(), "{codec}");
+            w.import_layers(2, &layout, 0..3, &stored, 3).unwrap();
+            let whole = pool.export(2).unwrap();
+            assert_ne!(whole, zeros, "{codec}");
+            for rows in [3, 1, 0] {
+                for page in [2, 3] {
+                    pool.import(page, &plain, &zeros).unwrap();
+                }
+                w.import_layers(2, &layout, 0..3, &stored, rows).unwrap();
+                w.import_to_device(3, &one, (0..1, rows), &stored[..per])
+                    .unwrap();
+                w.import_to_device(3, &one, (1..3, rows), &stored[per..])
+                    .unwrap();
+                let got = pool.export(2).unwrap();
+                assert_eq!(got, pool.export(3).unwrap(), "{codec}, {rows} rows");
+                // Each part (a layer's K or V of one head: 3 rows of 4 f32)
+                // holds the whole import's first rows, then what was there.
+                for (part, (g, w)) in got.chunks(48).zip(whole.chunks(48)).enumerate() {
+                    assert_eq!(g[..rows * 16], w[..rows * 16], "{codec}, part {part}");
+                    assert!(
+                        g[rows * 16..].iter().all(|&b| b == 0),
+                        "{codec}, part {part}"
+                    );
+                }
+            }
+            assert!(
+                w.import_layers(2, &layout, 0..3, &stored, 4).is_err(),
+                "more rows than a page"
+            );
         }
-        assert_ne!(pool.export(3).unwrap(), pool.export(0).unwrap());
     }
 }

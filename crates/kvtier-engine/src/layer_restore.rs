@@ -67,6 +67,9 @@ pub(crate) struct RestoreSink {
     writer: PageWriter,
     layout: KvLayout,
     pages: Vec<PageId>,
+    /// Token rows the last page holds: fewer than a block when the prefix
+    /// ends with a partial block (its tail); the others hold a block.
+    last_rows: usize,
     landed: Mutex<Landed>,
     changed: Condvar,
     /// How much the store's read yields the CPU (`LayerSink::yield_factor`).
@@ -81,6 +84,7 @@ impl std::fmt::Debug for RestoreSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RestoreSink")
             .field("pages", &self.pages)
+            .field("last_rows", &self.last_rows)
             .field("landed", &self.landed)
             .field("yield_factor", &self.yield_factor)
             .finish_non_exhaustive()
@@ -89,7 +93,8 @@ impl std::fmt::Debug for RestoreSink {
 
 impl RestoreSink {
     /// A sink filling `pages` (the `i`-th key's layers into `pages[i]`) of
-    /// blocks of `layout`; the store's read yields the CPU by
+    /// blocks of `layout`, the last of them `last_rows` token rows (the
+    /// rest whole); the store's read yields the CPU by
     /// `yield_factor` (`LayerSink::yield_factor`: after each piece decoded
     /// here it sleeps that many times as long as the piece took; 0,
     /// negative or not finite: never); `on_planned` runs (on a store
@@ -97,7 +102,7 @@ impl RestoreSink {
     pub(crate) fn new(
         writer: PageWriter,
         layout: KvLayout,
-        pages: Vec<PageId>,
+        (pages, last_rows): (Vec<PageId>, usize),
         yield_factor: f64,
         on_planned: Arc<dyn Fn() + Send + Sync>,
     ) -> Self {
@@ -105,6 +110,7 @@ impl RestoreSink {
         Self {
             writer,
             layout,
+            last_rows,
             yield_factor,
             on_planned,
             landed: Mutex::new(Landed {
@@ -196,9 +202,14 @@ impl LayerSink for RestoreSink {
         let Some(&page) = self.pages.get(index) else {
             return;
         };
+        let rows = if index + 1 == self.pages.len() {
+            self.last_rows
+        } else {
+            self.layout.block_tokens as usize
+        };
         let result = self
             .writer
-            .import_layers(page, &self.layout, layers.clone(), stored);
+            .import_layers(page, &self.layout, layers.clone(), stored, rows);
         let mut st = self.landed.lock();
         match result {
             Ok(()) => {

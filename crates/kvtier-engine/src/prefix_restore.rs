@@ -273,7 +273,8 @@ impl Engine {
                 rest.push(k);
             }
             let alone = self.seqs.len() == 1;
-            let sink = self.layer_sink(id, rest.len(), alone, planned.clone());
+            let last_rows = tail_key.map_or(bt, |(_, n)| n);
+            let sink = self.layer_sink(id, (rest.len(), last_rows), alone, planned.clone());
             begun.gated = sink.is_some() && alone;
             let Some(store) = &self.store else {
                 return Ok(());
@@ -387,8 +388,9 @@ impl Engine {
         self.seqs.get(&id).and_then(|s| s.attached)
     }
 
-    /// Pages for a layer-wise read of `n` blocks after `id`'s table, when
-    /// the pool has them; `None` reads whole blocks, copied into G1 by
+    /// Pages for a layer-wise read of `n` blocks after `id`'s table (the
+    /// last of them `last_rows` token rows: the prompt's tail), when the
+    /// pool has them; `None` reads whole blocks, copied into G1 by
     /// [`attach`](Self::attach), instead. The store's threads decode each
     /// layer into these pages as it lands, so attaching them copies nothing
     /// on the scheduler's thread. Only a sequence begun `alone` (`gated`)
@@ -399,7 +401,7 @@ impl Engine {
     fn layer_sink(
         &mut self,
         id: SeqId,
-        n: usize,
+        (n, last_rows): (usize, usize),
         alone: bool,
         on_planned: Arc<dyn Fn() + Send + Sync>,
     ) -> Option<Arc<RestoreSink>> {
@@ -428,7 +430,7 @@ impl Engine {
         Some(Arc::new(RestoreSink::new(
             writer,
             self.kv_layout,
-            pages,
+            (pages, last_rows),
             yield_factor,
             on_planned,
         )))
