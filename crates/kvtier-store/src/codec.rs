@@ -177,7 +177,7 @@ fn fp8_bits(x: f32) -> u8 {
 /// (vectorizes, where a 256-entry table lookup does not). The NaN bytes
 /// (0x7F, 0xFF) read as +-480; [`encode`] never writes them.
 #[inline]
-fn fp8_value(b: u8) -> f32 {
+pub(crate) fn fp8_value(b: u8) -> f32 {
     let b = u32::from(b);
     let sign = (b & 0x80) << 24;
     let em = b & 0x7F;

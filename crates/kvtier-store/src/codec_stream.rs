@@ -10,17 +10,23 @@
 //! shares its CPU with the forward pass, so every part of that is TTFT
 //! (docs/benchmarks.md, "Layer-wise restore").
 //!
+//! fp8 went through the portable loops at first (they convert four values
+//! at a time); its concurrency-1 TTFT stayed 1.24-1.31x of the decode
+//! step while int8's came to 1.14-1.17x (docs/benchmarks.md, "The same
+//! after the concurrency-1 restore path was reworked"), so it streams too.
+//!
 //! The values are bit for bit those of the portable loops in `codec.rs`
-//! (the same conversions and one f32 multiply each): a test holds them to
-//! each other. Elsewhere, or without AVX2, the portable loops run.
+//! (the same conversions and one f32 multiply each): tests hold them to
+//! each other, every fp8 and int8 byte included. Elsewhere, or without
+//! AVX2, the portable loops run.
 
 use crate::codec::KvCodec;
 
 /// Decodes whole groups of `group` elements (`stored`, as `codec` wrote
 /// them) into `out`, exactly their f32 values, with streaming stores.
 /// False, having written nothing, where this path does not apply (not
-/// x86-64 with AVX2, a codec other than int8, bf16 or none, or a group
-/// that is not a multiple of 8): the caller decodes the portable way.
+/// x86-64 with AVX2, or a group that is not a multiple of 8): the caller
+/// decodes the portable way.
 /// The caller has checked that `stored` and `out` hold the same whole
 /// number of groups.
 pub(crate) fn decode_f32(codec: KvCodec, group: usize, stored: &[u8], out: &mut [f32]) -> bool {
@@ -66,6 +72,31 @@ mod x86 {
         }
     }
 
+    /// The values of the 8 E4M3 bytes in the low half of `b`, as
+    /// `codec.rs`'s `fp8_value` makes them: the fields moved into f32's in
+    /// integer steps (normal), or the 3 mantissa bits times 2^-9
+    /// (subnormal, exponent 0), with the sign put back.
+    ///
+    /// # Safety
+    /// AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn fp8_values(b: __m128i) -> __m256 {
+        let b = _mm256_cvtepu8_epi32(b);
+        let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(b, _mm256_set1_epi32(0x80)));
+        let em = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+        let normal = _mm256_add_epi32(_mm256_slli_epi32::<20>(em), _mm256_set1_epi32(120 << 23));
+        let sub = _mm256_castps_si256(_mm256_mul_ps(
+            _mm256_cvtepi32_ps(em),
+            _mm256_set1_ps(1.0 / 512.0),
+        ));
+        let is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), em);
+        _mm256_castsi256_ps(_mm256_or_si256(
+            sign,
+            _mm256_blendv_epi8(normal, sub, is_sub),
+        ))
+    }
+
     /// See [`super::decode_f32`].
     ///
     /// # Safety
@@ -82,11 +113,12 @@ mod x86 {
         let aligned = (out.as_ptr() as usize).is_multiple_of(16);
         let groups = out.len() / group;
         match codec {
-            KvCodec::Int8 => {
+            KvCodec::Int8 | KvCodec::Fp8E4m3 => {
                 let in_group = group + 4;
                 if stored.len() != groups * in_group {
                     return false;
                 }
+                let fp8 = codec == KvCodec::Fp8E4m3;
                 for (src, dst) in stored
                     .chunks_exact(in_group)
                     .zip(out.chunks_exact_mut(group))
@@ -99,8 +131,12 @@ mod x86 {
                         // values of `dst` from `i`; alignment as above.
                         unsafe {
                             let b = _mm_loadl_epi64(q.as_ptr().add(i).cast());
-                            let v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s);
-                            put(dst.as_mut_ptr().add(i), v, aligned);
+                            let x = if fp8 {
+                                fp8_values(b)
+                            } else {
+                                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))
+                            };
+                            put(dst.as_mut_ptr().add(i), _mm256_mul_ps(x, s), aligned);
                         }
                     }
                 }
@@ -131,7 +167,6 @@ mod x86 {
                     }
                 }
             }
-            KvCodec::Fp8E4m3 => return false,
         }
         // Streamed stores are weakly ordered: fence them before whoever
         // is told next (a lock's release) reads the values.
@@ -143,7 +178,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codec::encode;
+    use crate::codec::{encode, fp8_value};
     use crate::kv_layout::KvDtype;
 
     /// What the portable loops of `codec.rs` make of `stored`.
@@ -157,11 +192,14 @@ mod tests {
                 .chunks_exact(2)
                 .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
                 .collect(),
-            _ => stored
+            KvCodec::Int8 | KvCodec::Fp8E4m3 => stored
                 .chunks_exact(group + 4)
                 .flat_map(|g| {
                     let scale = f32::from_le_bytes([g[0], g[1], g[2], g[3]]);
-                    g[4..].iter().map(move |&b| f32::from(b as i8) * scale)
+                    g[4..].iter().map(move |&b| match codec {
+                        KvCodec::Int8 => f32::from(b as i8) * scale,
+                        _ => fp8_value(b) * scale,
+                    })
                 })
                 .collect(),
         }
@@ -175,7 +213,7 @@ mod tests {
                 .map(|i| ((i * 7919) % 1000) as f32 * 0.37 - 185.0 + (i % 3) as f32 * 1e-3)
                 .collect();
             let src: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            for codec in [KvCodec::None, KvCodec::Bf16, KvCodec::Int8] {
+            for codec in KvCodec::ALL {
                 let len =
                     n / group * codec.group_bytes(KvDtype::F32, group as u64).unwrap() as usize;
                 let mut stored = vec![0u8; len];
@@ -205,10 +243,39 @@ mod tests {
     }
 
     #[test]
+    fn every_fp8_and_int8_byte_is_its_portable_value_bit_for_bit() {
+        // Groups of 8 bytes covering all 256 values, under scales that keep
+        // subnormals, signs and the NaN bytes (read as +-480) in play.
+        let codes: Vec<u8> = (0..=255).collect();
+        for codec in [KvCodec::Fp8E4m3, KvCodec::Int8] {
+            for scale in [1.0f32, 0.37, 3.0e-3, 1.0e4] {
+                let stored: Vec<u8> = codes
+                    .chunks(8)
+                    .flat_map(|g| scale.to_le_bytes().into_iter().chain(g.iter().copied()))
+                    .collect();
+                let want = portable(codec, 8, &stored);
+                let mut out = vec![f32::NAN; 256];
+                let done = decode_f32(codec, 8, &stored, &mut out);
+                #[cfg(target_arch = "x86_64")]
+                assert_eq!(done, std::is_x86_feature_detected!("avx2"));
+                if done {
+                    for (b, (a, w)) in out.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            w.to_bits(),
+                            "{codec:?} x{scale}, byte {b:#04x}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn what_it_does_not_cover_is_left_to_the_portable_loops() {
         let mut out = vec![0f32; 12];
-        // fp8, and groups that are not a multiple of 8.
-        assert!(!decode_f32(KvCodec::Fp8E4m3, 8, &[0u8; 24], &mut out[..8]));
+        // Groups that are not a multiple of 8.
+        assert!(!decode_f32(KvCodec::Fp8E4m3, 12, &[0u8; 16], &mut out));
         assert!(!decode_f32(KvCodec::Int8, 12, &[0u8; 16], &mut out));
         assert!(!decode_f32(KvCodec::None, 4, &[0u8; 48], &mut out));
         assert!(out.iter().all(|&v| v == 0.0), "nothing written");
