@@ -205,6 +205,27 @@ mod tests {
         }
     }
 
+    /// Streams `stored` into `out` (where this path applies: x86-64 with
+    /// AVX2, which it must say) and holds each value to `want` bit for bit.
+    fn streams_as(
+        codec: KvCodec,
+        group: usize,
+        stored: &[u8],
+        want: &[f32],
+        out: &mut [f32],
+        what: &str,
+    ) {
+        out.fill(f32::NAN);
+        let done = decode_f32(codec, group, stored, out);
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(done, std::is_x86_feature_detected!("avx2"), "{what}");
+        if done {
+            for (i, (a, b)) in out.iter().zip(want).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{what} {i}");
+            }
+        }
+    }
+
     #[test]
     fn streamed_values_are_the_portable_ones_bit_for_bit_at_any_alignment() {
         for group in [8, 64, 128] {
@@ -224,19 +245,8 @@ mod tests {
                 let base = backing.as_ptr().align_offset(64);
                 for skew in 0..4 {
                     let out = &mut backing[base + skew..base + skew + n];
-                    out.fill(f32::NAN);
-                    let done = decode_f32(codec, group, &stored, out);
-                    #[cfg(target_arch = "x86_64")]
-                    assert_eq!(done, std::is_x86_feature_detected!("avx2"));
-                    if done {
-                        for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-                            assert_eq!(
-                                a.to_bits(),
-                                b.to_bits(),
-                                "{codec:?} group {group} skew {skew} at {i}"
-                            );
-                        }
-                    }
+                    let what = format!("{codec:?} group {group} skew {skew}, value");
+                    streams_as(codec, group, &stored, &want, out, &what);
                 }
             }
         }
@@ -254,19 +264,9 @@ mod tests {
                     .flat_map(|g| scale.to_le_bytes().into_iter().chain(g.iter().copied()))
                     .collect();
                 let want = portable(codec, 8, &stored);
-                let mut out = vec![f32::NAN; 256];
-                let done = decode_f32(codec, 8, &stored, &mut out);
-                #[cfg(target_arch = "x86_64")]
-                assert_eq!(done, std::is_x86_feature_detected!("avx2"));
-                if done {
-                    for (b, (a, w)) in out.iter().zip(&want).enumerate() {
-                        assert_eq!(
-                            a.to_bits(),
-                            w.to_bits(),
-                            "{codec:?} x{scale}, byte {b:#04x}"
-                        );
-                    }
-                }
+                let mut out = vec![0f32; 256];
+                let what = format!("{codec:?} x{scale}, value of byte");
+                streams_as(codec, 8, &stored, &want, &mut out, &what);
             }
         }
     }
