@@ -2,7 +2,8 @@
 //! several aligned parts, issued part-major across the batch (every block's
 //! first part, then every block's second, ...), so the first layers of a
 //! whole prefix land before its last ones; the first parts go alone, as a
-//! first wave, so they land at the device's full speed. Each time a block's leading run
+//! first wave, so they land at the device's full speed, and the rest a few
+//! megabytes at a time, so they land layer by layer. Each time a block's leading run
 //! of landed parts grows, the caller sees those bytes at once, unverified,
 //! while the rest is still in flight; the payload's checksum is summed part
 //! by part as they land, and the block is verified as a whole (header, key,
@@ -21,6 +22,28 @@ use parking_lot::Mutex;
 use super::{DiskRead, DiskTier, ReadOutcome};
 use crate::block::{BlockError, HEADER_BYTES};
 use crate::key::BlockKey;
+
+/// Bytes in flight after the first wave of a read in parts: about what a
+/// virtio disk moves in 1-2 ms, so the next layer's parts land before the
+/// forward pass needs them, and enough large reads for an NVMe device to
+/// keep its queue busy.
+const READ_WINDOW_BYTES: usize = 4 << 20;
+
+/// Reads in flight after the first wave of a read of `n` blocks in parts
+/// cut at slot offsets `bounds`: `configured` at most, and about
+/// [`READ_WINDOW_BYTES`] of parts, but never less than a part of every
+/// block. The parts are issued layer-major, so a window makes them land
+/// layer by layer. With every part of a large prefix in flight the device
+/// shared its bandwidth among them all, and layer 1 landed with the last
+/// layer, long after the forward pass wanted it: an uncoded 3-block prefix
+/// of the `small` preset (21 parts of 512 KiB after the first wave) came
+/// to concurrency-1 TTFT 1.5 ms sooner on the reference VM with the window
+/// (docs/benchmarks.md); int8's 136 KiB parts all fit in it, as before.
+fn in_flight_after_the_first_wave(configured: usize, bounds: &[usize], n: usize) -> usize {
+    let largest = bounds.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(1);
+    let window = (READ_WINDOW_BYTES / largest.max(1)).max(n);
+    configured.min(window).max(1)
+}
 
 /// How much of one block has landed.
 struct Landed {
@@ -156,16 +179,18 @@ impl DiskTier {
         let t = Instant::now();
         // The callback saw every part it needed; the ops' buffers are raw
         // targets inside `bufs`, which come back below.
-        // Two waves: every block's first part alone, then the rest. With
-        // all of them in flight at once the device shares its bandwidth
-        // among them, and the first parts, the ones a layer-wise restore
-        // waits on before it can compute anything, landed with the last
-        // (1.3-1.6 ms for a 3-block prefix of the `small` preset on the
-        // reference VM, against 0.3 ms alone). The rest is in the kernel
+        // Every block's first part alone, as a first wave, then the rest a
+        // window at a time (`in_flight_after_the_first_wave`). With all of
+        // them in flight at once the device shares its bandwidth among
+        // them, and the first parts, the ones a layer-wise restore waits on
+        // before it can compute anything, landed with the last (1.3-1.6 ms
+        // for a 3-block prefix of the `small` preset on the reference VM,
+        // against 0.3 ms alone). The rest's first window is in the kernel
         // before the first wave is handed over: the hand-over wakes the
         // forward pass, which may take this thread's CPU until its next
         // layer is due.
-        drop(self.engine.run_waves_map(ops, n, self.in_flight, on_done));
+        let in_flight = in_flight_after_the_first_wave(self.in_flight, &bounds, n);
+        drop(self.engine.run_waves_map(ops, n, in_flight, on_done));
         self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
         let outcomes = plan
             .iter()
@@ -197,5 +222,31 @@ impl DiskTier {
         );
         let reads: Vec<DiskRead> = out.into_iter().flatten().collect();
         Self::in_key_order(keys, reads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_window_holds_a_few_megabytes_of_parts_and_at_least_a_layer() {
+        let cuts =
+            |part: usize, parts: usize| -> Vec<usize> { (0..=parts).map(|p| p * part).collect() };
+        // int8 layers of the `small` preset: all 21 fit.
+        assert_eq!(
+            in_flight_after_the_first_wave(64, &cuts(136 << 10, 8), 3),
+            30
+        );
+        // Uncoded: 8 parts of 512 KiB, under the configured 64.
+        assert_eq!(
+            in_flight_after_the_first_wave(64, &cuts(512 << 10, 8), 3),
+            8
+        );
+        // Never more than configured.
+        assert_eq!(in_flight_after_the_first_wave(4, &cuts(136 << 10, 8), 3), 4);
+        // Huge parts: still a part of every block.
+        assert_eq!(in_flight_after_the_first_wave(64, &cuts(16 << 20, 2), 5), 5);
+        assert_eq!(in_flight_after_the_first_wave(0, &[0], 0), 1);
     }
 }
