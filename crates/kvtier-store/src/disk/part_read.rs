@@ -30,9 +30,9 @@ use crate::key::BlockKey;
 const READ_WINDOW_BYTES: usize = 4 << 20;
 
 /// Reads in flight after the first wave of a read of `n` blocks in parts
-/// cut at slot offsets `bounds`: `configured` at most, and about
-/// [`READ_WINDOW_BYTES`] of parts, but never less than a part of every
-/// block. The parts are issued layer-major, so a window makes them land
+/// cut at slot offsets `bounds`: about [`READ_WINDOW_BYTES`] of parts or a
+/// part of every block, whichever is more, and at most `configured`. The
+/// parts are issued layer-major, so a window makes them land
 /// layer by layer. With every part of a large prefix in flight the device
 /// shared its bandwidth among them all, and layer 1 landed with the last
 /// layer, long after the forward pass wanted it: an uncoded 3-block prefix
