@@ -148,6 +148,13 @@ enum Order {
     SubmitFirst { first: usize },
 }
 
+/// Slot `s`'s op is finished: ready to hand back, and one fewer of the
+/// first wave left when it is of it (`in_first`).
+fn finished(ready: &mut Vec<usize>, s: usize, first_left: &mut usize, in_first: bool) {
+    *first_left = first_left.saturating_sub(usize::from(in_first));
+    ready.push(s);
+}
+
 /// Hands the finished ops in `ready` to `on_done`, freeing their slots.
 fn hand_back<'f>(
     ready: &mut Vec<usize>,
@@ -229,8 +236,7 @@ fn drive<'f>(
             let op = &mut p.op;
             let remaining = op.buf.len() - p.done;
             if remaining == 0 {
-                first_left = first_left.saturating_sub(usize::from(p.seq < first));
-                ready.push(s);
+                finished(&mut ready, s, &mut first_left, p.seq < first);
                 continue;
             }
             let len = remaining.min(MAX_CHUNK) as u32;
@@ -243,8 +249,7 @@ fn drive<'f>(
                 IoKind::Read => {
                     let Some(b) = op.buf.read_target() else {
                         // A shared buffer cannot be read into; `finish` reports it.
-                        first_left = first_left.saturating_sub(usize::from(p.seq < first));
-                        ready.push(s);
+                        finished(&mut ready, s, &mut first_left, p.seq < first);
                         continue;
                     };
                     let ptr = unsafe { b.as_mut_ptr().add(p.done) };
@@ -329,7 +334,7 @@ fn drive<'f>(
                     continue;
                 };
                 outstanding -= 1;
-                let finished = if res < 0 {
+                let complete = if res < 0 {
                     let errno = -res;
                     if errno == libc::EINTR || errno == libc::EAGAIN {
                         false
@@ -344,9 +349,8 @@ fn drive<'f>(
                     p.done += res as usize;
                     p.done >= p.op.buf.len()
                 };
-                if finished {
-                    first_left = first_left.saturating_sub(usize::from(p.seq < first));
-                    ready.push(s);
+                if complete {
+                    finished(&mut ready, s, &mut first_left, p.seq < first);
                 } else {
                     retry.push_back(s);
                 }
