@@ -13,20 +13,56 @@
 //!
 //! Decision: sharing one directory between processes is not supported.
 //! Processes share KV through G4; each keeps its own G3.
+//!
+//! A child process being started holds every lock of its parent for a
+//! moment: the fork copies each descriptor, and the copy holds the lock
+//! until the child execs. A store closed and reopened while another thread
+//! starts a process (a test that runs `mount`, a server that runs a
+//! helper) would then find its own lock still taken. So a lock that this
+//! process wrote and no longer holds is waited for, up to [`FORK_GRACE`];
+//! one this process still holds is refused at once.
 
+use std::collections::HashSet;
 use std::fs::{File, OpenOptions, TryLockError};
-use std::io::{Read, Seek, Write};
+use std::io::{Seek, Write};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use super::DiskError;
 
 /// The lock file's name in a slot directory.
 pub const LOCK_FILE: &str = "owner.lock";
 
+/// Longest wait for a lock that only a child being started still holds
+/// (see the module docs).
+const FORK_GRACE: Duration = Duration::from_secs(2);
+
+/// The lock files this process holds, as (device, inode).
+static HELD: Mutex<Option<HashSet<(u64, u64)>>> = Mutex::new(None);
+
+fn held(id: (u64, u64)) -> bool {
+    HELD.lock().as_ref().is_some_and(|h| h.contains(&id))
+}
+
 /// A held lock (released when dropped, or when the process ends).
 #[derive(Debug)]
 pub(crate) struct DirLock {
-    _file: File,
+    file: File,
+    /// The lock file's (device, inode), in [`HELD`] while this lives.
+    id: (u64, u64),
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        // Out of HELD before the file closes: once it is closed another
+        // owner in this process may take the lock and enter it.
+        if let Some(h) = HELD.lock().as_mut() {
+            h.remove(&self.id);
+        }
+    }
 }
 
 impl DirLock {
@@ -46,37 +82,53 @@ impl DirLock {
                 "the lock file exists but is not a regular file",
             )));
         }
-        let mut file = OpenOptions::new()
+        let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
             .open(&path)
             .map_err(open_err)?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                return Err(DiskError::Locked {
-                    path: path.clone(),
-                    holder: read_holder(&file),
-                });
-            }
-            Err(TryLockError::Error(e)) => return Err(open_err(e)),
-        }
+        let meta = file.metadata().map_err(open_err)?;
+        let id = (meta.dev(), meta.ino());
         let pid = std::process::id();
+        let began = Instant::now();
+        loop {
+            match file.try_lock() {
+                Ok(()) => break,
+                Err(TryLockError::WouldBlock) => {
+                    let holder = read_holder(&file);
+                    // Written by this process, which no longer holds it: a
+                    // child being started does, until it execs.
+                    if holder == Some(pid) && !held(id) && began.elapsed() < FORK_GRACE {
+                        std::thread::sleep(Duration::from_millis(1));
+                        continue;
+                    }
+                    return Err(DiskError::Locked {
+                        path: path.clone(),
+                        holder,
+                    });
+                }
+                Err(TryLockError::Error(e)) => return Err(open_err(e)),
+            }
+        }
+        HELD.lock().get_or_insert_default().insert(id);
+        let lock = Self { file, id };
+        let mut file = &lock.file;
         file.set_len(0)
             .and_then(|()| file.rewind())
             .and_then(|()| writeln!(file, "{pid}"))
             .map_err(open_err)?;
-        Ok(Self { _file: file })
+        Ok(lock)
     }
 }
 
 /// The pid the holder wrote, if it can be read (it may be mid-write).
 fn read_holder(file: &File) -> Option<u32> {
-    let mut text = String::new();
-    file.take(64).read_to_string(&mut text).ok()?;
-    text.trim().parse().ok()
+    use std::os::unix::fs::FileExt;
+    let mut buf = [0u8; 64];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    std::str::from_utf8(buf.get(..n)?).ok()?.trim().parse().ok()
 }
 
 /// Describes a holder for [`DiskError::Locked`]'s message.
@@ -106,6 +158,28 @@ mod tests {
         }
         drop(first);
         let _again = DirLock::acquire(tmp.path()).unwrap();
+    }
+
+    #[test]
+    fn a_lock_only_a_starting_child_still_holds_is_waited_for() {
+        let tmp = tempfile::tempdir().unwrap();
+        let first = DirLock::acquire(tmp.path()).unwrap();
+        // What a fork leaves behind: a copy of the descriptor, holding the
+        // lock after this process let go of it, until the child execs.
+        let copy = first.file.try_clone().unwrap();
+        drop(first);
+        let child = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(copy);
+        });
+        let again = DirLock::acquire(tmp.path());
+        assert!(again.is_ok(), "{again:?}");
+        child.join().unwrap();
+        // Held by this process itself: refused, not waited for.
+        assert!(matches!(
+            DirLock::acquire(tmp.path()),
+            Err(DiskError::Locked { .. })
+        ));
     }
 
     #[test]
