@@ -414,6 +414,10 @@ impl TieredStore {
                 } else {
                     store.load_chunk(&chunk_keys, &chunk_regions, &shared)
                 };
+                // Let go of the store before the caller can be told: one
+                // that then closes it (and reopens the directory) must find
+                // it closed, not held a moment longer by this job.
+                drop(store);
                 shared.chunk_done(first, results);
             });
             let pool = if save { self.savers() } else { self.readers() };
