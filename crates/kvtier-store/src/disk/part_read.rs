@@ -52,9 +52,7 @@ struct Landed {
     parts: Vec<bool>,
     /// The leading parts that are all in.
     run: usize,
-    /// Which parts the caller has been handed.
-    handed: Vec<bool>,
-    /// The leading parts whose payload bytes are in `sum`.
+    /// The leading parts whose payload bytes are in `crc`.
     summed: usize,
     /// CRC32C of the payload bytes of the leading `summed` parts.
     crc: u32,
@@ -63,16 +61,13 @@ struct Landed {
 }
 
 impl Landed {
-    /// Marks the parts `handed` as handed over to the caller, then sums,
-    /// in order, every leading part handed over and not summed yet
-    /// (`payload(p)`: part `p`'s payload bytes). A part handed over on
-    /// another thread ahead of the run before it waits for whoever sums
-    /// that run: the sum is always over the payload in order.
-    fn sum_handed<'a>(&mut self, handed: Range<usize>, payload: impl Fn(usize) -> &'a [u8]) {
-        if let Some(h) = self.handed.get_mut(handed) {
-            h.fill(true);
-        }
-        while self.handed.get(self.summed).is_some_and(|&h| h) {
+    /// Adds the payload bytes of the parts before `end` (all landed) not
+    /// summed yet to `crc`, in order (`payload(p)`: part `p`'s payload
+    /// bytes). Called after each hand-over with its run's end: a thread
+    /// whose run came after another's, and was handed over first, sums
+    /// both; the other then finds its parts summed.
+    fn sum_to<'a>(&mut self, end: usize, payload: impl Fn(usize) -> &'a [u8]) {
+        while self.summed < end.min(self.parts.len()) {
             self.crc = crc32c::crc32c_append(self.crc, payload(self.summed));
             self.summed += 1;
         }
@@ -132,7 +127,6 @@ impl DiskTier {
                 Mutex::new(Landed {
                     parts: vec![false; parts],
                     run: 0,
-                    handed: vec![false; parts],
                     summed: 0,
                     crc: 0,
                     failed: None,
@@ -192,7 +186,6 @@ impl DiskTier {
             // SAFETY: parts 0..run of this block have landed; no read
             // writes them any more, and the buffer outlives the batch.
             let bytes = unsafe { std::slice::from_raw_parts(at(*base, 0).as_ptr(), to) };
-            let first = st.run;
             st.run = run;
             drop(st);
             landed(i, from..to, bytes);
@@ -200,13 +193,14 @@ impl DiskTier {
             // checksum and the bytes are summed while the hand-over left
             // them in cache: for an uncoded prefix, concurrency-1 TTFT
             // about 2 ms sooner on the reference VM (docs/benchmarks.md).
-            state.lock().sum_handed(first..run, |p| {
+            state.lock().sum_to(run, |p| {
                 let range = bounds[p].max(payload.start)..bounds[p + 1].min(payload.end);
                 if range.start >= range.end {
                     return &[];
                 }
-                // SAFETY: part `p` has landed (it was handed over); no read
-                // writes it any more, and the buffer outlives the batch.
+                // SAFETY: part `p` has landed (it is before a run's end);
+                // no read writes it any more, and the buffer outlives the
+                // batch.
                 unsafe { std::slice::from_raw_parts(at(*base, range.start).as_ptr(), range.len()) }
             });
         };
@@ -264,28 +258,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parts_handed_over_out_of_order_are_summed_in_order() {
+    fn runs_handed_over_out_of_order_are_summed_in_order() {
         let payload: Vec<u8> = (0..40_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         let bounds = [0, 4096, 12_288, 20_000, 40_000];
         let part = |p: usize| &payload[bounds[p]..bounds[p + 1]];
         let mut st = Landed {
             parts: vec![true; 4],
             run: 4,
-            handed: vec![false; 4],
             summed: 0,
             crc: 0,
             failed: None,
         };
-        // Parts 2..3 handed over (on another thread) before 0..2.
-        st.sum_handed(2..3, part);
-        assert_eq!((st.summed, st.crc), (0, 0), "nothing summed past a gap");
-        st.sum_handed(0..2, part);
-        assert_eq!(st.summed, 3, "the waiting part summed with its run");
-        st.sum_handed(3..4, part);
-        assert_eq!(st.summed, 4);
+        // The run 2..3 handed over (on another thread) before 0..2: its
+        // thread sums 0..3.
+        st.sum_to(3, part);
+        assert_eq!(st.summed, 3);
+        assert_eq!(st.crc, crc32c::crc32c(&payload[..20_000]));
+        st.sum_to(2, part);
+        assert_eq!(st.summed, 3, "already summed: nothing again");
+        st.sum_to(4, part);
         assert_eq!(st.crc, crc32c::crc32c(&payload));
-        st.sum_handed(9..12, part);
-        assert_eq!(st.summed, 4, "no such parts: nothing changes");
+        st.sum_to(9, part);
+        assert_eq!(st.summed, 4, "never past the last part");
     }
 
     #[test]
