@@ -193,8 +193,9 @@ pub struct Engine {
     pub(crate) opts: EngineOptions,
     pub(crate) seqs: HashMap<SeqId, Seq>,
     pub(crate) next_id: SeqId,
-    /// Full pages registered but not yet copied out to the store.
-    pending_offload: Vec<(BlockKey, PageId)>,
+    /// Pages registered but not yet copied out to the store, with the
+    /// token rows each holds (a block's, or fewer for a prompt's tail).
+    pending_offload: Vec<(BlockKey, PageId, u32)>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -474,7 +475,7 @@ impl Engine {
             // reference keeps the page from being reclaimed meanwhile.
             for (key, page) in new {
                 self.pool.retain(page);
-                self.pending_offload.push((key, page));
+                self.pending_offload.push((key, page, bt as u32));
             }
         }
         Ok(())
@@ -487,22 +488,26 @@ impl Engine {
     pub fn offload_pending(&mut self) -> Result<(), EngineError> {
         let pending = std::mem::take(&mut self.pending_offload);
         let Some(store) = &self.store else {
-            for (_, page) in pending {
+            for (_, page, _) in pending {
                 self.release_page(page);
             }
             return Ok(());
         };
         let mut blocks = Vec::with_capacity(pending.len());
         let mut failed = None;
-        for &(key, page) in &pending {
-            let exported = store
-                .new_block()
-                .map_err(EngineError::from)
-                .and_then(|mut b| {
-                    self.pool
-                        .export_into(page, &self.kv_layout, b.payload_mut())?;
-                    Ok(b)
-                });
+        for &(key, page, rows) in &pending {
+            // A tail is stored with only its rows: restoring it then reads
+            // and checks those, not a whole block's (the `small` preset's
+            // concurrency-1 TTFT, docs/benchmarks.md).
+            let block = if rows < self.kv_layout.block_tokens {
+                store.new_short_block(rows)
+            } else {
+                store.new_block()
+            };
+            let exported = block.map_err(EngineError::from).and_then(|mut b| {
+                self.pool.export_into(page, &b.layout(), b.payload_mut())?;
+                Ok(b)
+            });
             match exported {
                 Ok(b) => blocks.push((key, b)),
                 Err(e) => failed = Some(e),
@@ -511,7 +516,7 @@ impl Engine {
         if !blocks.is_empty() {
             store.offer(blocks);
         }
-        for (_, page) in pending {
+        for (_, page, _) in pending {
             self.release_page(page);
         }
         failed.map_or(Ok(()), Err)
@@ -542,9 +547,11 @@ impl Engine {
         } else {
             seq.keys[full - 1]
         };
-        let key = seq.chain.partial(&prev, &seq.tokens[full * bt..reusable]);
+        let tail = &seq.tokens[full * bt..reusable];
+        let key = seq.chain.partial(&prev, tail);
+        let rows = tail.len() as u32;
         self.pool.retain(page);
-        self.pending_offload.push((key, page));
+        self.pending_offload.push((key, page, rows));
     }
 
     /// Drops one reference; an unreferenced page stays cached in G1 when it

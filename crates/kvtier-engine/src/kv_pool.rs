@@ -236,7 +236,8 @@ impl KvPool {
     }
 
     /// Codes a page into `out`, a store block's stored payload of `layout`
-    /// (one of [`KvPool::store_layout`]'s), written in full.
+    /// (one of [`KvPool::store_layout`]'s, or a short block of one: then
+    /// the page's first `layout.block_tokens` rows), written in full.
     ///
     /// On the CPU each head of each layer's K and V is coded straight out
     /// of the pool's memory (without a codec, one copy); other devices copy
@@ -248,7 +249,8 @@ impl KvPool {
         out: &mut [u8],
     ) -> Result<(), EngineError> {
         let run = self.check_payload(layout, out.len())?;
-        let head_part = self.mem.block_tokens * self.mem.head_dim;
+        let rows = layout.block_tokens as usize;
+        let head_part = rows * self.mem.head_dim;
         let mut at = 0u64;
         for layer in 0..self.mem.k.len() {
             for (is_v, t) in [(false, &self.mem.k[layer]), (true, &self.mem.v[layer])] {
@@ -270,6 +272,7 @@ impl KvPool {
                         drop(storage);
                         let vals: Vec<f32> = self
                             .context(layer, &[page], is_v)?
+                            .narrow(1, 0, rows)?
                             .flatten_all()?
                             .to_vec1()?;
                         layout.encode_into(at, bytemuck::cast_slice(&vals), out)?;
@@ -288,7 +291,8 @@ impl KvPool {
         Ok(out)
     }
 
-    /// Fills a page from a store block's stored payload of `layout`.
+    /// Fills a page from a store block's stored payload of `layout` (a
+    /// short block fills the page's first `layout.block_tokens` rows).
     ///
     /// On the CPU each head of each layer's K and V is decoded straight
     /// into the pool's memory (without a codec, one copy); other devices go
@@ -305,7 +309,7 @@ impl KvPool {
             layout,
             0..layout.layers,
             payload,
-            self.mem.block_tokens,
+            layout.block_tokens as usize,
         )
     }
 
@@ -417,7 +421,10 @@ impl KvPool {
     /// stored payload; returns the logical bytes of one head's run of one
     /// part (`block_tokens * head_dim` f32).
     fn check_payload(&self, layout: &KvLayout, len: usize) -> Result<u64, EngineError> {
-        if *layout != self.store_layout(layout.codec) {
+        let rows = layout.block_tokens as usize;
+        if rows > self.mem.block_tokens
+            || layout.with_tokens(self.mem.block_tokens as u32) != self.store_layout(layout.codec)
+        {
             return Err(EngineError::Request(format!(
                 "KV blocks of {layout} do not fit pages of {}",
                 self.store_layout(layout.codec)
@@ -429,7 +436,7 @@ impl KvPool {
                 layout.stored_payload_bytes()
             )));
         }
-        Ok((self.mem.block_tokens * self.mem.head_dim * 4) as u64)
+        Ok((rows * self.mem.head_dim * 4) as u64)
     }
 }
 
@@ -456,11 +463,10 @@ impl PageWriter {
 
     /// Fills the first `rows` token rows of layers `layers` of `page` from
     /// `stored`, those layers' stored bytes of a block of `layout` (one of
-    /// the pool's store layouts; one layer's bytes are a one-layer block's
-    /// payload), each head of each part decoded straight into the pool's
-    /// memory on the CPU. A restored tail holds fewer rows than a block:
-    /// the rows after them are nobody's yet, and decoding them would be
-    /// work thrown away (the new tokens' K/V overwrite them).
+    /// the pool's store layouts, or a short block of one; one layer's bytes
+    /// are a one-layer block's payload), each head of each part decoded
+    /// straight into the pool's memory on the CPU. `rows` is at most the
+    /// block's; the page's rows after them are left as they are.
     pub(crate) fn import_layers(
         &self,
         page: PageId,
@@ -479,7 +485,8 @@ impl PageWriter {
             || page as usize >= self.pages
             || per == 0
             || stored.len() != per * count
-            || rows > self.block_tokens
+            || rows > layout.block_tokens as usize
+            || layout.block_tokens as usize > self.block_tokens
         {
             return Err(EngineError::Request(format!(
                 "{} stored bytes of {rows} rows of layers {layers:?} do not fit page {page} of {} \
@@ -492,7 +499,7 @@ impl PageWriter {
         if !crate::device::host_paths(&self.device) {
             return self.import_to_device(page, &one, (layers, rows), stored);
         }
-        let run = (self.block_tokens * self.head_dim * 4) as u64;
+        let run = (layout.block_tokens as usize * self.head_dim * 4) as u64;
         for (layer, bytes) in layers.zip(stored.chunks_exact(per)) {
             let layer = layer as usize;
             let mut at = 0u64;
@@ -528,7 +535,7 @@ impl PageWriter {
     ) -> Result<(), EngineError> {
         // Called on the store's threads too (layer-wise restores).
         crate::device::bind_to_thread(&self.device)?;
-        let run = self.block_tokens * self.head_dim * 4;
+        let run = one.block_tokens as usize * self.head_dim * 4;
         let used = rows * self.head_dim * 4;
         let per_layer = 2 * self.kv_heads;
         let per = one.stored_payload_bytes() as usize;
@@ -867,6 +874,57 @@ mod tests {
             }
             assert!(
                 w.import_layers(2, &layout, 0..3, &stored, 4).is_err(),
+                "more rows than a page"
+            );
+        }
+    }
+
+    #[test]
+    fn a_short_block_holds_a_pages_first_rows_and_fills_only_those() {
+        // A prompt's tail is stored as a short block: the page's first
+        // rows only, every codec; it comes back into those rows and leaves
+        // the rest of the page alone.
+        let pool = KvPool::new(3, 2, 4, 3, 4, &Device::Cpu).unwrap();
+        let k = ramp();
+        for layer in 0..3 {
+            let kl = ((&k - 5.0).unwrap() * (0.5 + layer as f64)).unwrap();
+            pool.write(layer, &[1], 0, &kl, &(&kl * -0.25).unwrap())
+                .unwrap();
+        }
+        let plain = pool.store_layout(KvCodec::None);
+        let zeros = pool.export(0).unwrap();
+        for codec in [
+            KvCodec::None,
+            KvCodec::Bf16,
+            KvCodec::Fp8E4m3,
+            KvCodec::Int8,
+        ] {
+            let full = pool.store_layout(codec);
+            let mut whole = vec![0u8; full.stored_payload_bytes() as usize];
+            pool.export_into(1, &full, &mut whole).unwrap();
+            pool.import(3, &full, &whole).unwrap();
+            let restored_whole = pool.export(3).unwrap();
+            for rows in [1u32, 2] {
+                let short = full.with_tokens(rows);
+                let mut stored = vec![0u8; short.stored_payload_bytes() as usize];
+                assert!(stored.len() < whole.len(), "{codec}");
+                pool.export_into(1, &short, &mut stored).unwrap();
+                pool.import(2, &plain, &zeros).unwrap();
+                pool.import(2, &short, &stored).unwrap();
+                let got = pool.export(2).unwrap();
+                // Each part: 3 rows of 4 f32; the first `rows` as a whole
+                // block's restore gives them, the rest untouched.
+                let used = rows as usize * 16;
+                for (part, (g, w)) in got.chunks(48).zip(restored_whole.chunks(48)).enumerate() {
+                    assert_eq!(g[..used], w[..used], "{codec}, {rows} rows, part {part}");
+                    assert!(g[used..].iter().all(|&b| b == 0), "{codec}, part {part}");
+                }
+                assert!(pool.import(2, &short, &stored[1..]).is_err());
+                assert!(pool.import(2, &full, &stored).is_err());
+            }
+            assert!(
+                pool.export_into(1, &full.with_tokens(4), &mut whole)
+                    .is_err(),
                 "more rows than a page"
             );
         }

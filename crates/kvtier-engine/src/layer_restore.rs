@@ -68,7 +68,8 @@ pub(crate) struct RestoreSink {
     layout: KvLayout,
     pages: Vec<PageId>,
     /// Token rows the last page holds: fewer than a block when the prefix
-    /// ends with a partial block (its tail); the others hold a block.
+    /// ends with a partial block (its tail, a short block in the store);
+    /// the others hold a block.
     last_rows: usize,
     landed: Mutex<Landed>,
     changed: Condvar,
@@ -202,14 +203,17 @@ impl LayerSink for RestoreSink {
         let Some(&page) = self.pages.get(index) else {
             return;
         };
-        let rows = if index + 1 == self.pages.len() {
-            self.last_rows
+        // The last block may be short (the prompt's tail, stored with only
+        // its rows).
+        let layout = if index + 1 == self.pages.len() {
+            self.layout.with_tokens(self.last_rows as u32)
         } else {
-            self.layout.block_tokens as usize
+            self.layout
         };
+        let rows = layout.block_tokens as usize;
         let result = self
             .writer
-            .import_layers(page, &self.layout, layers.clone(), stored, rows);
+            .import_layers(page, &layout, layers.clone(), stored, rows);
         let mut st = self.landed.lock();
         match result {
             Ok(()) => {

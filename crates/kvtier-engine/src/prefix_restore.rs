@@ -279,15 +279,17 @@ impl Engine {
             let Some(store) = &self.store else {
                 return Ok(());
             };
+            // The tail is a short block in the store: only its rows.
+            let tail_rows = tail_key.map(|(_, n)| n as u32);
             begun.read = Some(match &sink {
                 Some(sink) => {
                     let done = sink.clone();
-                    store.read_prefix_layered(rest.clone(), sink.clone(), move || {
+                    store.read_prefix_layered(rest.clone(), tail_rows, sink.clone(), move || {
                         done.finish();
                         notify();
                     })
                 }
-                None => store.read_prefix_async(rest.clone(), notify),
+                None => store.read_prefix_async(rest.clone(), tail_rows, notify),
             });
             begun.layered = sink;
             begun.first_read = h;
@@ -478,7 +480,11 @@ impl Engine {
                 seq.tail_stored = true;
             }
             seq.computed += tokens;
-            count_restored(&mut attached, *tier, tokens, stored);
+            let bytes = match tail {
+                Some(n) => self.kv_layout.with_tokens(n as u32).stored_payload_bytes(),
+                None => stored,
+            };
+            count_restored(&mut attached, *tier, tokens, bytes);
         }
         begun.keys.truncate(n);
         seq.layered = Some(LayeredAttach {
@@ -706,13 +712,15 @@ impl Engine {
         let Ok(page) = self.alloc_page(last) else {
             return false;
         };
-        if let Err(e) = self.pool.import(page, &self.kv_layout, block.payload()) {
+        let tokens = tail.unwrap_or(bt);
+        // A tail comes back as a short block, of its rows alone.
+        let layout = self.kv_layout.with_tokens(tokens as u32);
+        if let Err(e) = self.pool.import(page, &layout, block.payload()) {
             tracing::warn!("restoring block {key} failed: {e}; recomputing");
             self.pool.release(page);
             self.pool.free(page);
             return false;
         }
-        let tokens = tail.unwrap_or(bt);
         if let Some((parent, start)) = full_at
             && let Some(seq) = self.seqs.get(&id)
         {

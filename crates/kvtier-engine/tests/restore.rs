@@ -122,7 +122,14 @@ fn restored_prefix_logits_equal_recompute_from_g1_g2_and_g3() {
         let g2 = e.prefill(&p).unwrap();
         assert_eq!(g2.cached.g2, p.len() - 1, "G2 reuse for len {}", p.len());
         assert_eq!(g2.computed_tokens, 1);
-        assert!(g2.restored_bytes > 0);
+        // Whole blocks, and the tail stored with only its rows.
+        let layout = e.store().unwrap().layout();
+        let (full, tail) = ((p.len() - 1) / BT, (p.len() - 1) % BT);
+        let mut want_bytes = full as u64 * layout.stored_payload_bytes();
+        if tail > 0 {
+            want_bytes += layout.with_tokens(tail as u32).stored_payload_bytes();
+        }
+        assert_eq!(g2.restored_bytes, want_bytes, "len {}", p.len());
         let d = max_diff(&g2.logits, &want);
         assert!(d <= 1e-4, "G2 restore differs by {d}");
         e.finish(g2.seq);
@@ -131,6 +138,7 @@ fn restored_prefix_logits_equal_recompute_from_g1_g2_and_g3() {
         e.store().unwrap().evict_memory().unwrap();
         let g3 = e.prefill(&p).unwrap();
         assert_eq!(g3.cached.g3, p.len() - 1, "G3 reuse for len {}", p.len());
+        assert_eq!(g3.restored_bytes, want_bytes, "len {}", p.len());
         let d = max_diff(&g3.logits, &want);
         assert!(d <= 1e-4, "G3 restore differs by {d}");
         e.finish(g3.seq);

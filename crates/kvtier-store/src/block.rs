@@ -357,6 +357,29 @@ impl BlockBuf {
         Ok(Self { buf, layout })
     }
 
+    /// A buffer for a short block of `rows` token rows (1 up to `layout`'s
+    /// `block_tokens`: a prompt's partial last block) of `layout`'s slot
+    /// size, so every tier holds and moves it as it does any block; its
+    /// payload and its header are those of `rows` rows
+    /// ([`KvLayout::with_tokens`]).
+    pub fn new_short(
+        layout: KvLayout,
+        rows: u32,
+        alloc: &Arc<dyn HostAllocator>,
+    ) -> Result<Self, BlockError> {
+        if rows == 0 || rows > layout.block_tokens {
+            return Err(BlockError::BadLayout(format!(
+                "a short block of {rows} rows in blocks of {} tokens",
+                layout.block_tokens
+            )));
+        }
+        let mut block = Self::new(layout, alloc)?;
+        block.layout = layout.with_tokens(rows);
+        let end = HEADER_BYTES + block.layout.stored_payload_bytes() as usize;
+        block.buf[end..].fill(0);
+        Ok(block)
+    }
+
     /// The layout the payload has.
     pub fn layout(&self) -> KvLayout {
         self.layout

@@ -228,6 +228,17 @@ impl KvLayout {
         Self { codec, ..self }
     }
 
+    /// This layout for a block of `block_tokens` token rows: a short
+    /// block, such as the partial block at the end of a prompt, stored with
+    /// only the rows it holds (the tiers take any number of rows up to a
+    /// layout's own: [`crate::verify::BlockSpec`]).
+    pub const fn with_tokens(self, block_tokens: u32) -> Self {
+        Self {
+            block_tokens,
+            ..self
+        }
+    }
+
     /// vLLM's CPU attention backend: per layer a tensor `[num_blocks,
     /// num_kv_heads, block_size, 2 * head_size]`, one vLLM block per kvtier
     /// block, each layer's page one opaque region ([`Arrangement::LayerFused`]).

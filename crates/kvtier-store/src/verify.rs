@@ -11,7 +11,8 @@ use crate::block::{BlockError, BlockHeader, decode_block_summed};
 use crate::key::{BlockKey, ModelFingerprint};
 use crate::kv_layout::KvLayout;
 
-/// What a reader expects of the blocks it reads.
+/// What a reader expects of the blocks it reads: the layout, or the same
+/// layout with fewer token rows (a short block, [`KvLayout::with_tokens`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockSpec {
     /// The layout every block must have.
@@ -23,6 +24,15 @@ pub struct BlockSpec {
 }
 
 impl BlockSpec {
+    /// True for a block of `layout`: this spec's, or a short block of it
+    /// (fewer token rows, [`KvLayout::with_tokens`]: a prompt's tail). The
+    /// reader who asked for a block checks its rows (`TieredStore`'s reads
+    /// do), so a short block never stands in for a whole one.
+    pub fn takes(&self, layout: &KvLayout) -> bool {
+        layout.block_tokens <= self.layout.block_tokens
+            && layout.with_tokens(self.layout.block_tokens) == self.layout
+    }
+
     /// Checks `bytes` (an encoded block, padding allowed) as the block
     /// stored under `key`; returns its header.
     pub fn verify(&self, bytes: &[u8], key: &BlockKey) -> Result<BlockHeader, BlockError> {
@@ -38,7 +48,7 @@ impl BlockSpec {
         payload_crc: Option<u32>,
     ) -> Result<BlockHeader, BlockError> {
         let (header, _) = decode_block_summed(bytes, Some(key), payload_crc)?;
-        if header.layout != self.layout {
+        if !self.takes(&header.layout) {
             return Err(BlockError::LayoutMismatch {
                 expected: self.layout,
                 found: header.layout,
@@ -127,5 +137,47 @@ mod tests {
             spec.verify(&block[..150], &key),
             Err(BlockError::TooShort { .. })
         ));
+    }
+
+    #[test]
+    fn a_short_block_of_the_layout_passes_and_nothing_longer_or_else() {
+        let fp = ModelFingerprint::of_bytes(b"m");
+        let key = BlockKey([7; 16]);
+        let spec = BlockSpec {
+            layout: layout(),
+            fingerprint: Some(fp),
+        };
+        let encoded = |l: KvLayout| {
+            let payload = vec![5u8; l.payload_bytes() as usize];
+            encode_block(key, fp, l, 0, &payload, &system_allocator()).unwrap()
+        };
+        for rows in 1..=4 {
+            let header = spec.verify(&encoded(layout().with_tokens(rows)), &key);
+            assert_eq!(header.unwrap().layout.block_tokens, rows);
+        }
+        for other in [
+            layout().with_tokens(5),
+            KvLayout {
+                head_dim: 4,
+                ..layout().with_tokens(2)
+            },
+            layout().with_tokens(2).with_codec(crate::KvCodec::Bf16),
+        ] {
+            assert!(
+                matches!(
+                    spec.verify(&encoded(other), &key),
+                    Err(BlockError::LayoutMismatch { .. })
+                ),
+                "{other}"
+            );
+        }
+        let alloc = system_allocator();
+        assert!(crate::block::BlockBuf::new_short(layout(), 0, &alloc).is_err());
+        assert!(crate::block::BlockBuf::new_short(layout(), 5, &alloc).is_err());
+        let short = crate::block::BlockBuf::new_short(layout(), 3, &alloc).unwrap();
+        assert_eq!(short.layout(), layout().with_tokens(3));
+        let sealed = short.seal(key, fp, 0);
+        assert_eq!(sealed.len() as u64, layout().encoded_bytes(), "a slot");
+        assert_eq!(spec.verify(&sealed, &key).unwrap().layout.block_tokens, 3);
     }
 }

@@ -97,22 +97,37 @@ fn read_yielding(
     ks: &[kvtier_store::BlockKey],
     k: f64,
 ) -> (usize, Arc<Recorder>) {
+    read_as(store, ks, None, k)
+}
+
+/// Reads `ks` layer-wise, the last a short block of `tail_rows` when
+/// given, with a sink whose `yield_factor` is `k`; checks each verified
+/// block's rows and bytes.
+fn read_as(
+    store: &TieredStore,
+    ks: &[kvtier_store::BlockKey],
+    tail_rows: Option<u32>,
+    k: f64,
+) -> (usize, Arc<Recorder>) {
     let sink = Arc::new(Recorder {
         yield_factor: k,
         ..Recorder::default()
     });
     let (tx, rx) = mpsc::channel();
-    let handle = store.read_prefix_layered(ks.to_vec(), sink.clone(), move || {
+    let handle = store.read_prefix_layered(ks.to_vec(), tail_rows, sink.clone(), move || {
         let _ = tx.send(());
     });
     let blocks = handle.wait().unwrap();
     rx.recv().unwrap();
-    for (b, k) in blocks.iter().zip(ks) {
+    for (i, (b, k)) in blocks.iter().zip(ks).enumerate() {
+        let rows = match tail_rows {
+            Some(r) if i + 1 == ks.len() => r,
+            _ => layout().block_tokens,
+        };
         assert_eq!(b.key, *k);
-        assert_eq!(
-            b.payload(),
-            &payload_for(k, layout().payload_bytes() as usize)[..]
-        );
+        assert_eq!(b.rows(), rows);
+        let len = layout().with_tokens(rows).payload_bytes() as usize;
+        assert_eq!(b.payload(), &payload_for(k, len)[..]);
     }
     (blocks.len(), sink)
 }
@@ -120,12 +135,24 @@ fn read_yielding(
 /// Each (block, layer) of blocks `0..n` handed over exactly once, with
 /// that layer's bytes of the block's payload.
 fn assert_every_layer_once(ks: &[kvtier_store::BlockKey], n: usize, sink: &Recorder) {
+    assert_every_layer_once_of(ks, n, sink, layout());
+}
+
+/// [`assert_every_layer_once`], the last of `ks` a block of `last`.
+fn assert_every_layer_once_of(
+    ks: &[kvtier_store::BlockKey],
+    n: usize,
+    sink: &Recorder,
+    last: KvLayout,
+) {
     let got = sink.got.lock().unwrap();
     let mut seen = vec![vec![0u32; 4]; n];
     for (i, layers, bytes) in got.iter() {
         assert!(*i < n, "block {i} is past the run of {n}");
-        let payload = payload_for(&ks[*i], layout().payload_bytes() as usize);
-        let range = layers.start as usize * LAYER..layers.end as usize * LAYER;
+        let of = if *i + 1 == ks.len() { last } else { layout() };
+        let payload = payload_for(&ks[*i], of.payload_bytes() as usize);
+        let layer = of.payload_bytes() as usize / 4;
+        let range = layers.start as usize * layer..layers.end as usize * layer;
         assert_eq!(&bytes[..], &payload[range], "block {i} layers {layers:?}");
         for l in layers.clone() {
             seen[*i][l as usize] += 1;
@@ -276,4 +303,79 @@ fn a_yielding_sink_gets_g4_blocks_one_by_one_in_order_up_to_the_first_miss() {
     b.evict_memory().unwrap();
     let (n, _) = read(&b, &ks);
     assert_eq!(n, 4);
+}
+
+/// Rows of the short blocks below: a prompt's tail.
+const ROWS: u32 = 40;
+
+/// Stores `ks`, the last a short block of [`ROWS`] rows.
+fn put_with_tail(store: &TieredStore, ks: &[kvtier_store::BlockKey]) {
+    let (tail, whole) = ks.split_last().unwrap();
+    put(store, whole);
+    let mut b = store.new_short_block(ROWS).unwrap();
+    assert_eq!(b.layout(), layout().with_tokens(ROWS));
+    let want = payload_for(tail, b.layout().payload_bytes() as usize);
+    b.payload_mut().copy_from_slice(&want);
+    assert_eq!(store.offer(vec![(*tail, b)]).stored, 1);
+}
+
+#[test]
+fn a_short_tail_comes_back_with_only_its_rows_from_every_tier() {
+    let redis = RedisServer::start().unwrap();
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let ks = keys(0..4);
+    let short = layout().with_tokens(ROWS);
+    let a = open_with(da.path(), 8, Some(&redis.url()));
+    put_with_tail(&a, &ks);
+    for tier in [Tier::G2, Tier::G3] {
+        if tier == Tier::G3 {
+            a.evict_memory().unwrap();
+        }
+        let (n, sink) = read_as(&a, &ks, Some(ROWS), 0.0);
+        assert_eq!(n, 4, "{tier:?}");
+        assert_eq!(*sink.planned.lock().unwrap(), vec![vec![tier; 4]]);
+        assert_every_layer_once_of(&ks, 4, &sink, short);
+    }
+    // G3 in parts: the tail too (its 4 layers of 80 KiB in two parts).
+    a.evict_memory().unwrap();
+    let (_, sink) = read_as(&a, &ks, Some(ROWS), 0.0);
+    let tail_parts = sink.got.lock().unwrap().iter().filter(|h| h.0 == 3).count();
+    assert!(tail_parts > 1, "the tail was read in parts");
+    // Written through to the pool short, read back from it by another node.
+    a.flush().unwrap();
+    let b = open_with(db.path(), 8, Some(&redis.url()));
+    let (n, sink) = read_as(&b, &ks, Some(ROWS), 0.0);
+    assert_eq!(n, 4);
+    assert_eq!(*sink.planned.lock().unwrap(), vec![vec![Tier::G4; 4]]);
+    assert_every_layer_once_of(&ks, 4, &sink, short);
+    // And after a restart, from G3 again (the index kept the short slot).
+    a.evict_memory().unwrap();
+    drop(a);
+    let a = open_with(da.path(), 8, None);
+    assert!(a.disk().unwrap().contains(&ks[3]));
+    let (n, _) = read_as(&a, &ks, Some(ROWS), 0.0);
+    assert_eq!(n, 4, "after reopening");
+}
+
+#[test]
+fn a_block_read_as_other_rows_than_it_holds_is_refused_and_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), 8);
+    let ks = keys(0..4);
+    put_with_tail(&store, &ks);
+    // The short tail asked for whole, from G2: refused there, and from
+    // G3 below it, where it is deleted.
+    store.flush().unwrap();
+    let (n, _) = read_as(&store, &ks, None, 0.0);
+    assert_eq!(n, 3, "a short block never stands in for a whole one");
+    assert!(!store.disk().unwrap().contains(&ks[3]), "deleted from G3");
+    assert_eq!(read_as(&store, &ks, Some(ROWS), 0.0).0, 3, "and gone");
+    // A whole block asked for as a tail (what an older kvtier stored
+    // whole under a tail's key), from G3: refused and deleted.
+    store.evict_memory().unwrap();
+    let (n, _) = read_as(&store, &ks[..3], Some(ROWS), 0.0);
+    assert_eq!(n, 2);
+    assert!(!store.disk().unwrap().contains(&ks[2]), "deleted from G3");
+    // Whole blocks asked for as whole still read.
+    assert_eq!(read_as(&store, &ks[..2], None, 0.0).0, 2);
 }

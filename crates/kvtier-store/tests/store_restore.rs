@@ -71,7 +71,7 @@ fn read_prefix_async_gives_the_same_blocks_and_wakes_its_caller() {
     store.evict_memory().unwrap();
 
     let (tx, rx) = mpsc::channel();
-    let handle = store.read_prefix_async(ks.clone(), move || {
+    let handle = store.read_prefix_async(ks.clone(), None, move || {
         let _ = tx.send(std::thread::current().name().map(str::to_string));
     });
     let woke_on = rx
@@ -90,7 +90,7 @@ fn read_prefix_async_gives_the_same_blocks_and_wakes_its_caller() {
 
     // A cancelled read hands nothing back, and still wakes its caller.
     let (tx, rx) = mpsc::channel();
-    let handle = store.read_prefix_async(ks, move || {
+    let handle = store.read_prefix_async(ks, None, move || {
         let _ = tx.send(());
     });
     handle.cancel();
@@ -112,7 +112,7 @@ fn a_store_closed_once_its_async_read_is_done_reopens_at_once() {
     // lock) past telling its caller it is done.
     let (done_tx, done_rx) = mpsc::channel();
     let (reopened_tx, reopened_rx) = mpsc::channel::<()>();
-    let handle = store.read_prefix_async(ks.clone(), move || {
+    let handle = store.read_prefix_async(ks.clone(), None, move || {
         let _ = done_tx.send(());
         let _ = reopened_rx.recv_timeout(Duration::from_secs(30));
     });

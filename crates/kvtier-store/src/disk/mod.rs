@@ -73,7 +73,7 @@ use crate::key::{BlockKey, ModelFingerprint};
 use crate::kv_layout::{Arrangement, KvLayout};
 use crate::metrics::TierMetrics;
 use crate::verify::BlockSpec;
-pub use part_read::OnLanded;
+pub use part_read::{OnLanded, ReadCuts};
 pub use recover::Recovery;
 use saved_index::SavedIndex;
 use slots::SlotTable;

@@ -30,8 +30,8 @@ use crate::key::BlockKey;
 /// keep its queue busy.
 const READ_WINDOW_BYTES: usize = 4 << 20;
 
-/// Reads in flight after the first wave of a read of `n` blocks in parts
-/// cut at slot offsets `bounds`: about [`READ_WINDOW_BYTES`] of parts or a
+/// Reads in flight after the first wave of a read of `n` blocks in parts,
+/// the largest `largest` bytes: about [`READ_WINDOW_BYTES`] of parts or a
 /// part of every block, whichever is more, and at most `configured`. The
 /// parts are issued layer-major, so a window makes them land
 /// layer by layer. With every part of a large prefix in flight the device
@@ -40,8 +40,7 @@ const READ_WINDOW_BYTES: usize = 4 << 20;
 /// of the `small` preset (21 parts of 512 KiB after the first wave) came
 /// to concurrency-1 TTFT 1.5 ms sooner on the reference VM with the window
 /// (docs/benchmarks.md); int8's 136 KiB parts all fit in it, as before.
-fn in_flight_after_the_first_wave(configured: usize, bounds: &[usize], n: usize) -> usize {
-    let largest = bounds.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(1);
+fn in_flight_after_the_first_wave(configured: usize, largest: usize, n: usize) -> usize {
     let window = (READ_WINDOW_BYTES / largest.max(1)).max(n);
     configured.min(window).max(1)
 }
@@ -74,16 +73,49 @@ impl Landed {
     }
 }
 
+/// Where [`DiskTier::read_in_parts`] cuts one slot's read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadCuts {
+    /// Slot offsets to cut at; those not a multiple of 4 KiB, not
+    /// increasing, or not before the end are ignored.
+    pub at: Vec<usize>,
+    /// The block's stored payload bytes: a slot's layout's, or fewer for a
+    /// short block ([`crate::KvLayout::with_tokens`]). The read ends with
+    /// the block ([`end`](Self::end)), at most a slot.
+    pub payload_len: usize,
+}
+
+impl ReadCuts {
+    /// Where the read ends: header and payload, rounded up to 4 KiB.
+    pub fn end(&self) -> usize {
+        (HEADER_BYTES + self.payload_len).next_multiple_of(DIRECT_IO_ALIGN)
+    }
+
+    /// Part boundaries within a slot of `slot` bytes: 0, the cuts, the end.
+    fn bounds(&self, slot: usize) -> Vec<usize> {
+        let end = self.end().min(slot);
+        let mut bounds = vec![0usize];
+        for &c in &self.at {
+            if c.is_multiple_of(DIRECT_IO_ALIGN) && c < end && bounds.last().is_some_and(|&b| c > b)
+            {
+                bounds.push(c);
+            }
+        }
+        bounds.push(end);
+        bounds
+    }
+}
+
 /// What the caller of [`DiskTier::read_in_parts`] is told as a block
 /// lands: its index in the keys, the slot bytes new this time, and the
 /// slot's first bytes (up to the end of those), all landed.
 pub type OnLanded<'a> = dyn Fn(usize, Range<usize>, &[u8]) + Sync + 'a;
 
 impl DiskTier {
-    /// Reads `keys` into fresh buffers (from the allocation hook), each
-    /// slot in parts cut at `cuts` (slot byte offsets; those not a multiple
-    /// of 4 KiB inside the slot, or not increasing, are ignored), part-major
-    /// across the keys with the configured reads in flight. `landed(i,
+    /// Reads `keys` into fresh buffers (from the allocation hook), key
+    /// `i`'s slot in parts cut at `cuts[i]` (a whole slot in one part when
+    /// absent), part-major across the keys with the configured reads in
+    /// flight. `landed(i,
     /// from..to, bytes)` runs (on an I/O thread) each time the run of key
     /// `i`'s leading landed parts grows: `bytes` is the slot's first `to`
     /// bytes, `from..to` what is new; they are not verified yet. Outcomes
@@ -91,7 +123,7 @@ impl DiskTier {
     pub fn read_in_parts(
         &self,
         keys: &[BlockKey],
-        cuts: &[usize],
+        cuts: &[ReadCuts],
         landed: &OnLanded<'_>,
     ) -> Vec<(ReadOutcome, AlignedBuf)> {
         let reqs = keys.iter().map(|key| (*key, self.slot_buffer())).collect();
@@ -99,17 +131,16 @@ impl DiskTier {
         if plan.is_empty() {
             return Self::in_key_order(keys, out.into_iter().flatten().collect());
         }
-        let mut bounds = vec![0usize];
-        for &c in cuts {
-            if c.is_multiple_of(DIRECT_IO_ALIGN)
-                && c < self.slot_bytes
-                && bounds.last().is_some_and(|&b| c > b)
-            {
-                bounds.push(c);
-            }
-        }
-        bounds.push(self.slot_bytes);
-        let parts = bounds.len() - 1;
+        let whole = ReadCuts {
+            at: Vec::new(),
+            payload_len: self.spec.layout.stored_payload_bytes() as usize,
+        };
+        let cuts: Vec<&ReadCuts> = plan
+            .iter()
+            .map(|&(i, _, _)| cuts.get(i).unwrap_or(&whole))
+            .collect();
+        // Part boundaries of each planned read.
+        let bounds: Vec<Vec<usize>> = cuts.iter().map(|c| c.bounds(self.slot_bytes)).collect();
         // Where each planned buffer (a slot long, set by `pin_reads`)
         // starts, as addresses: the callback that reads landed parts runs
         // on I/O threads.
@@ -121,11 +152,11 @@ impl DiskTier {
             NonNull::new(std::ptr::with_exposed_provenance_mut::<u8>(base).wrapping_add(offset))
                 .unwrap_or(NonNull::dangling())
         };
-        let progress: Vec<Mutex<Landed>> = plan
+        let progress: Vec<Mutex<Landed>> = bounds
             .iter()
-            .map(|_| {
+            .map(|b| {
                 Mutex::new(Landed {
-                    parts: vec![false; parts],
+                    parts: vec![false; b.len() - 1],
                     run: 0,
                     summed: 0,
                     crc: 0,
@@ -133,11 +164,19 @@ impl DiskTier {
                 })
             })
             .collect();
-        let payload = HEADER_BYTES..HEADER_BYTES + self.spec.layout.stored_payload_bytes() as usize;
+        // Each read's payload bytes (the rest is header and padding).
+        let payload = |j: usize| HEADER_BYTES..HEADER_BYTES + cuts[j].payload_len;
         let n = plan.len();
-        let mut ops = Vec::with_capacity(n * parts);
-        for p in 0..parts {
-            for (&(_, _, slot), base) in plan.iter().zip(&bases) {
+        // Part-major: every read's first part, then every second, ...;
+        // `who[k]`: op `k`'s (read, part).
+        let most = bounds.iter().map(|b| b.len() - 1).max().unwrap_or(0);
+        let mut ops = Vec::new();
+        let mut who = Vec::new();
+        for p in 0..most {
+            for (j, (&(_, _, slot), base)) in plan.iter().zip(&bases).enumerate() {
+                let Some(part) = bounds[j].get(p..p + 2) else {
+                    continue;
+                };
                 let (file, off) = self.locate(slot);
                 // SAFETY: parts are disjoint ranges inside a buffer of at
                 // least a slot (checked by `pin_reads`), aligned as O_DIRECT
@@ -147,21 +186,23 @@ impl DiskTier {
                 let op = unsafe {
                     IoOp::read_raw(
                         file,
-                        off + bounds[p] as u64,
-                        at(*base, bounds[p]),
-                        bounds[p + 1] - bounds[p],
+                        off + part[0] as u64,
+                        at(*base, part[0]),
+                        part[1] - part[0],
                     )
                 };
                 ops.push(op);
+                who.push((j, p));
             }
         }
         let on_done = |k: usize, d: &IoDone| {
-            let (p, j) = (k / n, k % n);
-            let (Some(state), Some(base), Some(&(i, _, _))) =
-                (progress.get(j), bases.get(j), plan.get(j))
+            let Some(&(j, p)) = who.get(k) else { return };
+            let (Some(state), Some(base), Some(&(i, _, _)), Some(bounds)) =
+                (progress.get(j), bases.get(j), plan.get(j), bounds.get(j))
             else {
                 return;
             };
+            let parts = bounds.len() - 1;
             let want = bounds[p + 1] - bounds[p];
             let mut st = state.lock();
             match &d.result {
@@ -193,6 +234,7 @@ impl DiskTier {
             // checksum and the bytes are summed while the hand-over left
             // them in cache: for an uncoded prefix, concurrency-1 TTFT
             // about 2 ms sooner on the reference VM (docs/benchmarks.md).
+            let payload = payload(j);
             state.lock().sum_to(run, |p| {
                 let range = bounds[p].max(payload.start)..bounds[p + 1].min(payload.end);
                 if range.start >= range.end {
@@ -217,25 +259,37 @@ impl DiskTier {
         // before the first wave is handed over: the hand-over wakes the
         // forward pass, which may take this thread's CPU until its next
         // layer is due.
-        let in_flight = in_flight_after_the_first_wave(self.in_flight, &bounds, n);
+        let largest = bounds
+            .iter()
+            .flat_map(|b| b.windows(2).map(|w| w[1] - w[0]))
+            .max()
+            .unwrap_or(1);
+        let in_flight = in_flight_after_the_first_wave(self.in_flight, largest, n);
         drop(self.engine.run_waves_map(ops, n, in_flight, on_done));
         self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
         let outcomes = plan
             .iter()
             .zip(progress)
-            .zip(&bufs)
-            .map(|((&(_, key, _), state), buf)| {
+            .zip(bufs.iter().zip(&bounds))
+            .map(|((&(_, key, _), state), (buf, bounds))| {
                 let st = state.into_inner();
+                let end = bounds.last().copied().unwrap_or(0);
                 match st.failed {
                     Some(Some(e)) => ReadOutcome::Io(e),
                     Some(None) => ReadOutcome::Corrupt(BlockError::TooShort {
-                        needed: self.slot_bytes,
+                        needed: end,
                         got: bounds[st.run],
                     }),
-                    None if st.summed < parts => {
+                    None if st.summed < bounds.len() - 1 => {
                         ReadOutcome::Io(io::Error::other("a part of the read did not complete"))
                     }
-                    None => match self.spec.verify_summed(buf, &key, Some(st.crc)) {
+                    // Only what was read: a block longer than asked for
+                    // (a whole one where a short one was) is too short.
+                    None => match self.spec.verify_summed(
+                        buf.get(..end).unwrap_or(buf),
+                        &key,
+                        Some(st.crc),
+                    ) {
                         Ok(_) => ReadOutcome::Hit,
                         Err(e) => ReadOutcome::Corrupt(e),
                     },
@@ -284,22 +338,38 @@ mod tests {
 
     #[test]
     fn the_window_holds_a_few_megabytes_of_parts_and_at_least_a_layer() {
-        let cuts =
-            |part: usize, parts: usize| -> Vec<usize> { (0..=parts).map(|p| p * part).collect() };
         // int8 layers of the `small` preset: all 21 fit.
-        assert_eq!(
-            in_flight_after_the_first_wave(64, &cuts(136 << 10, 8), 3),
-            30
-        );
+        assert_eq!(in_flight_after_the_first_wave(64, 136 << 10, 3), 30);
         // Uncoded: 8 parts of 512 KiB, under the configured 64.
-        assert_eq!(
-            in_flight_after_the_first_wave(64, &cuts(512 << 10, 8), 3),
-            8
-        );
+        assert_eq!(in_flight_after_the_first_wave(64, 512 << 10, 3), 8);
         // Never more than configured.
-        assert_eq!(in_flight_after_the_first_wave(4, &cuts(136 << 10, 8), 3), 4);
+        assert_eq!(in_flight_after_the_first_wave(4, 136 << 10, 3), 4);
         // Huge parts: still a part of every block.
-        assert_eq!(in_flight_after_the_first_wave(64, &cuts(16 << 20, 2), 5), 5);
-        assert_eq!(in_flight_after_the_first_wave(0, &[0], 0), 1);
+        assert_eq!(in_flight_after_the_first_wave(64, 16 << 20, 5), 5);
+        assert_eq!(in_flight_after_the_first_wave(0, 0, 0), 1);
+    }
+
+    #[test]
+    fn a_read_ends_with_its_block_and_keeps_only_cuts_before_that() {
+        let slot = 64 << 10;
+        let short = ReadCuts {
+            at: vec![8192, 12_000, 4096, 16_384, 40_960],
+            payload_len: 20_000,
+        };
+        // 128 + 20,000 bytes end at 20,480; 12,000 is not aligned and 4,096
+        // comes after 8,192: both ignored, as is 40,960, past the end.
+        assert_eq!(short.end(), 20_480);
+        assert_eq!(short.bounds(slot), vec![0, 8192, 16_384, 20_480]);
+        let whole = ReadCuts {
+            at: vec![32_768],
+            payload_len: slot - HEADER_BYTES,
+        };
+        assert_eq!(whole.bounds(slot), vec![0, 32_768, slot]);
+        // Never past a slot.
+        let over = ReadCuts {
+            at: Vec::new(),
+            payload_len: slot,
+        };
+        assert_eq!(over.bounds(slot), vec![0, slot]);
     }
 }

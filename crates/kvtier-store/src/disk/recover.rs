@@ -96,7 +96,9 @@ impl DiskTier {
                     _ => None,
                 };
                 let indexed = header.is_some_and(|h| {
-                    h.encoded_len() == self.slot_bytes && slots.recover(slot, h.key)
+                    self.spec.takes(&h.layout)
+                        && h.encoded_len() <= self.slot_bytes
+                        && slots.recover(slot, h.key)
                 });
                 if !indexed {
                     slots.recover_free(slot);

@@ -36,7 +36,8 @@ pub const MIN_PART_BYTES: usize = 128 * 1024;
 pub trait LayerSink: Send + Sync {
     /// Layers `layers` of the block at `index` (of the keys asked for) have
     /// landed: `stored` is their stored bytes (coded as the store's layout
-    /// says; one layer's bytes are a one-layer block's payload). Not
+    /// says; one layer's bytes are a one-layer block's payload, of the
+    /// tail's rows for a short last block). Not
     /// verified yet (see the module docs). Runs on a store thread, possibly
     /// on several at once for different layers or blocks; each (block,
     /// layer) is handed over at most once.
@@ -156,12 +157,16 @@ impl TieredStore {
     /// `sink` as they land (see the module docs), on the store's reader
     /// threads: returns at once; `notify` runs when the handle is done. The
     /// handle's blocks are the verified leading run, as `read_prefix`'s.
+    /// With `tail_rows`, the last key is a short block of that many token
+    /// rows ([`new_short_block`](Self::new_short_block)): its layers are
+    /// that many rows each, and only its bytes are read.
     pub fn read_prefix_layered(
         &self,
         keys: Vec<BlockKey>,
+        tail_rows: Option<u32>,
         sink: std::sync::Arc<dyn LayerSink>,
         notify: impl FnOnce() + Send + 'static,
     ) -> Handle<Vec<StoredBlock>> {
-        self.read_prefix_on_readers(keys, Some(sink), notify)
+        self.read_prefix_on_readers((keys, tail_rows), Some(sink), notify)
     }
 }

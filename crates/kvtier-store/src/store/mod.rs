@@ -182,9 +182,34 @@ pub struct StoredBlock {
     pub tier: Tier,
     buf: Arc<AlignedBuf>,
     payload_len: usize,
+    rows: u32,
 }
 
 impl StoredBlock {
+    /// The block `buf` holds (encoded here, or verified on its way in),
+    /// read from `tier`; `None` when its header does not decode or its
+    /// payload overruns the buffer.
+    pub(crate) fn of(key: BlockKey, tier: Tier, buf: Arc<AlignedBuf>) -> Option<Self> {
+        let header = crate::block::BlockHeader::decode(&buf).ok()?;
+        let payload_len = usize::try_from(header.payload_len)
+            .ok()
+            .filter(|&n| HEADER_BYTES.saturating_add(n) <= buf.len())?;
+        Some(Self {
+            key,
+            tier,
+            buf,
+            payload_len,
+            rows: header.layout.block_tokens,
+        })
+    }
+
+    /// Token rows it holds: the layout's `block_tokens`, or fewer for a
+    /// short block (a prompt's partial last block:
+    /// [`TieredStore::new_short_block`]).
+    pub fn rows(&self) -> u32 {
+        self.rows
+    }
+
     /// The KV bytes as stored: with a codec, coded
     /// ([`KvLayout::decode_into`] gives the engine's bytes back).
     pub fn payload(&self) -> &[u8] {
@@ -502,6 +527,20 @@ impl TieredStore {
         Ok(BlockBuf::new(self.inner.layout, &self.inner.alloc)?)
     }
 
+    /// [`new_block`](Self::new_block) for a short block of `rows` token
+    /// rows (1 up to the layout's `block_tokens`): the partial block at the
+    /// end of a prompt, stored with only the rows it holds, so restoring it
+    /// reads and checks those rows, not a whole block's. Read it back by
+    /// naming its rows ([`read_prefix_layered`](Self::read_prefix_layered)'s
+    /// `tail_rows`); every other read takes it for a corrupt block.
+    pub fn new_short_block(&self, rows: u32) -> Result<BlockBuf, StoreError> {
+        Ok(BlockBuf::new_short(
+            self.inner.layout,
+            rows,
+            &self.inner.alloc,
+        )?)
+    }
+
     /// Stores blocks filled in place (sealed here with this store's model)
     /// like [`put_many`](Self::put_many), but never waits: when the
     /// write-back queue is over its bound, the blocks G2 evicts past it are
@@ -559,11 +598,18 @@ impl TieredStore {
         let Some(w) = &inner.write_through else {
             return;
         };
-        let sent_len = HEADER_BYTES + inner.layout.stored_payload_bytes() as usize;
+        let full_len = HEADER_BYTES + inner.layout.stored_payload_bytes() as usize;
+        // A short block (a prompt's tail) is sent with only its rows.
+        let sent_len = |b: &AlignedBuf| {
+            crate::block::BlockHeader::decode(b)
+                .ok()
+                .and_then(|h| usize::try_from(h.payload_len).ok())
+                .map_or(full_len, |n| (HEADER_BYTES + n).min(full_len))
+        };
         let batch = blocks
             .iter()
             .filter(|(k, _)| self.admits(k))
-            .map(|(k, b)| (*k, b.clone(), sent_len))
+            .map(|(k, b)| (*k, b.clone(), sent_len(b)))
             .collect();
         w.queue(batch, &inner.metrics);
     }
@@ -678,20 +724,25 @@ impl TieredStore {
 
     /// [`read_prefix`](Self::read_prefix) on the store's reader threads:
     /// returns at once; `notify` runs when the handle is done (from a
-    /// reader thread: keep it short, e.g. wake an event loop).
+    /// reader thread: keep it short, e.g. wake an event loop). With
+    /// `tail_rows`, the last key is a short block of that many token rows
+    /// ([`new_short_block`](Self::new_short_block)); every other block is
+    /// whole.
     pub fn read_prefix_async(
         &self,
         keys: Vec<BlockKey>,
+        tail_rows: Option<u32>,
         notify: impl FnOnce() + Send + 'static,
     ) -> Handle<Vec<StoredBlock>> {
-        self.read_prefix_on_readers(keys, None, notify)
+        self.read_prefix_on_readers((keys, tail_rows), None, notify)
     }
 
-    /// The leading run of `keys` read on the store's reader threads,
-    /// handing each block's layers to `sink` when given (`layer_reads`).
+    /// The leading run of `keys` (the last of them a short block of
+    /// `tail_rows` when given) read on the store's reader threads, handing
+    /// each block's layers to `sink` when given (`layer_reads`).
     pub(super) fn read_prefix_on_readers(
         &self,
-        keys: Vec<BlockKey>,
+        (keys, tail_rows): (Vec<BlockKey>, Option<u32>),
         sink: Option<Arc<dyn LayerSink>>,
         notify: impl FnOnce() + Send + 'static,
     ) -> Handle<Vec<StoredBlock>> {
@@ -700,7 +751,7 @@ impl TieredStore {
         let job = Box::new(move || {
             if !completer.is_cancelled() {
                 let blocks = store
-                    .fetch_to(&keys, true, sink.as_deref())
+                    .fetch_to(&keys, true, sink.as_deref(), tail_rows)
                     .into_iter()
                     .map_while(Found::into_hit)
                     .collect();

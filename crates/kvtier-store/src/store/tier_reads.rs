@@ -20,8 +20,8 @@ use kvtier_io::AlignedBuf;
 
 use super::layer_reads::{LayerSink, LayerSpans, Paced, pause};
 use super::{StoredBlock, TieredStore};
-use crate::block::HEADER_BYTES;
-use crate::disk::ReadOutcome;
+use crate::block::{BlockHeader, HEADER_BYTES};
+use crate::disk::{ReadCuts, ReadOutcome};
 use crate::key::BlockKey;
 use crate::metrics::Tier;
 use crate::remote::Fetched;
@@ -75,34 +75,48 @@ impl TieredStore {
     /// `leading`, only as far as the leading run of cached blocks can go
     /// (the outcomes past it are misses).
     pub(crate) fn fetch(&self, keys: &[BlockKey], leading: bool) -> Vec<Found> {
-        self.fetch_to(keys, leading, None)
+        self.fetch_to(keys, leading, None, None)
     }
 
     /// [`fetch`](Self::fetch), handing each block's layers to `sink` as
-    /// they land (`layer_reads`).
+    /// they land (`layer_reads`); with `tail_rows`, the last key is a short
+    /// block of that many token rows.
+    ///
+    /// Every tier takes short blocks ([`crate::verify::BlockSpec`]); here
+    /// each hit must hold the rows its key was asked with (a whole block's,
+    /// or `tail_rows` for the last), or it is corrupt and deleted from its
+    /// tier: a short block never stands in for a whole one, and a tail
+    /// block an older kvtier stored whole is replaced by a short one.
     pub(crate) fn fetch_to(
         &self,
         keys: &[BlockKey],
         leading: bool,
         sink: Option<&dyn LayerSink>,
+        tail_rows: Option<u32>,
     ) -> Vec<Found> {
         let inner = &self.inner;
         let layers = inner.layout.layers;
-        let spans = sink.and_then(|_| LayerSpans::of(&inner.layout));
+        let rows_of = |i: usize| match tail_rows {
+            Some(rows) if i + 1 == keys.len() => rows,
+            _ => inner.layout.block_tokens,
+        };
+        let layout_of = |i: usize| inner.layout.with_tokens(rows_of(i));
+        let spans_of = |i: usize| sink.and_then(|_| LayerSpans::of(&layout_of(i)));
         let paced = sink.map(Paced);
         let sink = paced.as_ref().map(|p| p as &dyn LayerSink);
-        let whole = |i: usize, b: &StoredBlock| {
-            if let Some(sink) = sink {
-                sink.layers(i, 0..layers, b.payload());
+        // A block read whole: all its layers at once, if it holds the rows
+        // asked for.
+        let whole = |i: usize, buf: &AlignedBuf| {
+            let Some(sink) = sink else { return };
+            let len = layout_of(i).stored_payload_bytes() as usize;
+            if BlockHeader::decode(buf).is_ok_and(|h| h.layout.block_tokens == rows_of(i))
+                && let Some(p) = buf.get(HEADER_BYTES..HEADER_BYTES + len)
+            {
+                sink.layers(i, 0..layers, p);
             }
         };
-        let payload_len = inner.layout.stored_payload_bytes() as usize;
-        let block = |i: usize, tier: Tier, buf: Arc<AlignedBuf>| StoredBlock {
-            key: keys[i],
-            tier,
-            buf,
-            payload_len,
-        };
+        let block =
+            |i: usize, tier: Tier, buf: Arc<AlignedBuf>| holding(keys[i], tier, buf, rows_of(i));
 
         // G2: blocks waiting for write-back are still G2 hits.
         let mut in_g2 = match &inner.write_back {
@@ -120,11 +134,20 @@ impl TieredStore {
         let mut out: Vec<Found> = in_g2
             .into_iter()
             .enumerate()
-            .map(|(i, b)| b.map_or(Found::Miss, |b| Found::Hit(block(i, Tier::G2, b))))
+            .map(|(i, b)| match b.map(|b| block(i, Tier::G2, b)) {
+                None => Found::Miss,
+                Some(Ok(b)) => Found::Hit(b),
+                Some(Err(why)) => {
+                    tracing::warn!("G2 block {} refused ({why}); dropping it", keys[i]);
+                    inner.memory.remove(&keys[i]);
+                    // Looked for below, where a copy is refused too.
+                    Found::Miss
+                }
+            })
             .collect();
         for (i, found) in out.iter().enumerate() {
             if let Found::Hit(b) = found {
-                whole(i, b);
+                whole(i, b.encoded());
             }
         }
         self.record_sightings(
@@ -190,14 +213,26 @@ impl TieredStore {
         }
         let read_g3 = || match (self.disk(), sink) {
             (Some(d), Some(sink)) if !g3_keys.is_empty() => {
-                let cuts = spans.as_ref().map(LayerSpans::cuts).unwrap_or_default();
-                let slot_bytes = inner.layout.encoded_bytes() as usize;
+                let spans: Vec<Option<LayerSpans>> = from_g3.iter().map(|&i| spans_of(i)).collect();
+                let cuts: Vec<ReadCuts> = from_g3
+                    .iter()
+                    .zip(&spans)
+                    .map(|(&i, s)| ReadCuts {
+                        at: s.as_ref().map(LayerSpans::cuts).unwrap_or_default(),
+                        payload_len: layout_of(i).stored_payload_bytes() as usize,
+                    })
+                    .collect();
                 let landed = |j: usize, new: std::ops::Range<usize>, slot: &[u8]| {
-                    let Some(&i) = from_g3.get(j) else { return };
-                    match &spans {
+                    let (Some(&i), Some(spans), Some(cut)) =
+                        (from_g3.get(j), spans.get(j), cuts.get(j))
+                    else {
+                        return;
+                    };
+                    match spans {
                         Some(spans) => spans.hand_over(sink, i, new, slot),
-                        None if new.end == slot_bytes => {
-                            if let Some(p) = slot.get(HEADER_BYTES..HEADER_BYTES + payload_len) {
+                        None if new.end == cut.end() => {
+                            let len = cut.payload_len;
+                            if let Some(p) = slot.get(HEADER_BYTES..HEADER_BYTES + len) {
                                 sink.layers(i, 0..layers, p);
                             }
                         }
@@ -221,10 +256,8 @@ impl TieredStore {
                         let mut one = r.get_leading(std::slice::from_ref(key));
                         let fetched = one.pop().flatten();
                         let hit = matches!(fetched, Some(Ok(_)));
-                        if let (Some(sink), Some(Ok(buf))) = (sink, &fetched)
-                            && let Some(p) = buf.get(HEADER_BYTES..HEADER_BYTES + payload_len)
-                        {
-                            sink.layers(i, 0..layers, p);
+                        if let Some(Ok(buf)) = &fetched {
+                            whole(i, buf);
                         }
                         got.push(fetched);
                         if !hit || j + 1 == g4_keys.len() {
@@ -249,10 +282,8 @@ impl TieredStore {
                 let found = |j: usize| matches!(got.0.get(j), Some(Some(Ok(_))));
                 sink.planned(&planned(&found));
                 for (&i, g) in from_g4.iter().zip(&got.0) {
-                    if let Some(Ok(buf)) = g
-                        && let Some(p) = buf.get(HEADER_BYTES..HEADER_BYTES + payload_len)
-                    {
-                        sink.layers(i, 0..layers, p);
+                    if let Some(Ok(buf)) = g {
+                        whole(i, buf);
                     }
                 }
             }
@@ -274,11 +305,24 @@ impl TieredStore {
         let mut evicted = Vec::new();
         for (&i, (outcome, buf)) in from_g3.iter().zip(got_g3) {
             out[i] = match outcome {
-                ReadOutcome::Hit => {
-                    let buf = Arc::new(buf);
-                    evicted.extend(inner.memory.insert(inner.owner, keys[i], buf.clone(), true));
-                    Found::Hit(block(i, Tier::G3, buf))
-                }
+                ReadOutcome::Hit => match block(i, Tier::G3, Arc::new(buf)) {
+                    Ok(b) => {
+                        evicted.extend(inner.memory.insert(
+                            inner.owner,
+                            keys[i],
+                            b.buf.clone(),
+                            true,
+                        ));
+                        Found::Hit(b)
+                    }
+                    Err(why) => {
+                        tracing::warn!("G3 block {} refused ({why}); deleting it", keys[i]);
+                        if let Some(d) = self.disk() {
+                            d.remove(&keys[i]);
+                        }
+                        Found::Corrupt(format!("G3: {why}"))
+                    }
+                },
                 ReadOutcome::Miss => Found::Miss,
                 ReadOutcome::Corrupt(e) => Found::Corrupt(format!("G3: {e}")),
                 ReadOutcome::Io(e) => Found::Failed(format!("G3 read: {e}")),
@@ -288,7 +332,7 @@ impl TieredStore {
             let unanswered = g4_failed.as_ref().filter(|(first, _)| j >= *first);
             let found = match (got, unanswered) {
                 (None, Some((_, why))) => Found::Failed(why.clone()),
-                (got, _) => self.landed_g4(&keys[i], got),
+                (got, _) => self.landed_g4(&keys[i], got, rows_of(i)),
             };
             if let Found::Hit(b) = &found {
                 // Not persisted locally: G3 gets it when G2 evicts it.
@@ -304,20 +348,16 @@ impl TieredStore {
         out
     }
 
-    /// A G4 result as a hit or a miss, counted; a value refused by the
-    /// check is deleted from the pool so no node reads it again.
-    fn landed_g4(&self, key: &BlockKey, got: Fetched) -> Found {
+    /// A G4 result as a hit (holding `rows` token rows) or a miss,
+    /// counted; a value refused by the check is deleted from the pool so no
+    /// node reads it again.
+    fn landed_g4(&self, key: &BlockKey, got: Fetched, rows: u32) -> Found {
         let g4 = &self.inner.metrics.g4;
-        let payload_len = self.inner.layout.stored_payload_bytes() as usize;
-        match got {
-            Some(Ok(buf)) => {
+        let checked = got.map(|r| r.and_then(|buf| holding(*key, Tier::G4, Arc::new(buf), rows)));
+        match checked {
+            Some(Ok(b)) => {
                 g4.hits.inc();
-                Found::Hit(StoredBlock {
-                    key: *key,
-                    tier: Tier::G4,
-                    buf: Arc::new(buf),
-                    payload_len,
-                })
+                Found::Hit(b)
             }
             Some(Err(why)) => {
                 tracing::warn!("G4 block {key} failed verification ({why}); deleting it");
@@ -333,5 +373,25 @@ impl TieredStore {
                 Found::Miss
             }
         }
+    }
+}
+
+/// The block `buf` holds, read from `tier` for `key`, if it holds `rows`
+/// token rows: a short block (a prompt's tail) never stands in for a whole
+/// one, nor a whole one for a short one (a tail an older kvtier stored
+/// whole is refused, deleted and stored again short). Why not otherwise.
+fn holding(
+    key: BlockKey,
+    tier: Tier,
+    buf: Arc<AlignedBuf>,
+    rows: u32,
+) -> Result<StoredBlock, String> {
+    match StoredBlock::of(key, tier, buf) {
+        Some(b) if b.rows() == rows => Ok(b),
+        Some(b) => Err(format!(
+            "holds {} token rows where {rows} were asked for",
+            b.rows()
+        )),
+        None => Err("its header does not decode".into()),
     }
 }
