@@ -182,8 +182,6 @@ pub fn prefill(opts: &PrefillOptions) -> Result<PrefillReport, ServeError> {
     })?;
     let total_seconds = t0.elapsed().as_secs_f64();
     let m = store.metrics();
-    let block_bytes =
-        store.layout().stored_payload_bytes() + kvtier_store::block::HEADER_BYTES as u64;
     let report = PrefillReport {
         prompt_tokens: tokens.len(),
         computed_tokens: p.computed_tokens,
@@ -191,7 +189,7 @@ pub fn prefill(opts: &PrefillOptions) -> Result<PrefillReport, ServeError> {
         // Every full block before the last token, and the tail after them
         // (partial key).
         blocks: (tokens.len() - 1).div_ceil(bt),
-        g4_blocks_written: m.g4.written_bytes.get() / block_bytes.max(1),
+        g4_blocks_written: m.g4.written_blocks.get(),
         g4_written_bytes: m.g4.written_bytes.get(),
         g4_dropped_blocks: m.remote.dropped_puts.get(),
         prefill_seconds,

@@ -162,6 +162,7 @@ impl MemoryTier {
             }
         }
         self.metrics.written_bytes.inc_by(bytes);
+        self.metrics.written_blocks.inc();
         self.metrics
             .occupancy_bytes
             .set(inner.policy.used_bytes() as i64);

@@ -70,6 +70,9 @@ pub struct TierMetrics {
     pub read_bytes: Counter,
     /// Bytes written into the tier.
     pub written_bytes: Counter,
+    /// Blocks written into the tier (whole or short: bytes over a whole
+    /// block's size do not count them).
+    pub written_blocks: Counter,
     /// Blocks evicted to make room.
     pub evictions: Counter,
     /// Blocks that failed verification (served as misses and deleted).
@@ -98,6 +101,7 @@ impl Default for TierMetrics {
             misses: Counter::default(),
             read_bytes: Counter::default(),
             written_bytes: Counter::default(),
+            written_blocks: Counter::default(),
             evictions: Counter::default(),
             corrupt_blocks: Counter::default(),
             put_errors: Counter::default(),
@@ -194,6 +198,11 @@ impl StoreMetrics {
                 "written_bytes",
                 "Bytes written to the tier",
                 per_tier(|m| &m.written_bytes),
+            );
+            store.register(
+                "written_blocks",
+                "Blocks written to the tier",
+                per_tier(|m| &m.written_blocks),
             );
             store.register(
                 "evictions",

@@ -338,9 +338,17 @@ fn a_short_tail_comes_back_with_only_its_rows_from_every_tier() {
     }
     // G3 in parts: the tail too (its 4 layers of 80 KiB in two parts).
     a.evict_memory().unwrap();
+    let before = a.metrics().g3.read_bytes.get();
     let (_, sink) = read_as(&a, &ks, Some(ROWS), 0.0);
     let tail_parts = sink.got.lock().unwrap().iter().filter(|h| h.0 == 3).count();
     assert!(tail_parts > 1, "the tail was read in parts");
+    // Its slot only up to its end.
+    let short_end = (HEADER_BYTES as u64 + short.payload_bytes()).next_multiple_of(4096);
+    assert!(short_end < layout().encoded_bytes());
+    assert_eq!(
+        a.metrics().g3.read_bytes.get() - before,
+        3 * layout().encoded_bytes() + short_end
+    );
     // Written through to the pool short, read back from it by another node.
     a.flush().unwrap();
     let b = open_with(db.path(), 8, Some(&redis.url()));

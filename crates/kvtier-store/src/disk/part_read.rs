@@ -296,9 +296,14 @@ impl DiskTier {
                 }
             })
             .collect();
+        // A short block's read ends with it, short of its slot.
+        let read: Vec<usize> = bounds
+            .iter()
+            .map(|b| b.last().copied().unwrap_or(0))
+            .collect();
         self.settle_reads(
             &plan,
-            outcomes,
+            (outcomes, &read),
             bufs.into_iter().map(Some).collect(),
             &mut out,
         );

@@ -66,7 +66,8 @@ impl DiskTier {
             });
             bufs.push(d.buf.into_owned());
         }
-        self.settle_reads(&plan, settled, bufs, &mut out);
+        let read = vec![self.slot_bytes; plan.len()];
+        self.settle_reads(&plan, (settled, &read), bufs, &mut out);
         out.into_iter().flatten().collect()
     }
 
@@ -104,17 +105,24 @@ impl DiskTier {
 
     /// Unpins the slots of `plan` after their reads found `outcomes`
     /// (a corrupt block is dropped from the index and its header wiped),
-    /// counts them, and puts each buffer the engine handed back into `out`.
+    /// counts them (a hit's `read` bytes), and puts each buffer the engine
+    /// handed back into `out`.
     pub(super) fn settle_reads(
         &self,
         plan: &[ReadPlan],
-        outcomes: Vec<ReadOutcome>,
+        (outcomes, read): (Vec<ReadOutcome>, &[usize]),
         bufs: Vec<Option<AlignedBuf>>,
         out: &mut [Option<DiskRead>],
     ) {
         let mut wipe: Vec<u32> = Vec::new();
         let mut slots = self.slots.lock();
-        for ((&(i, key, slot), outcome), buf) in plan.iter().zip(outcomes).zip(bufs) {
+        let read = read
+            .iter()
+            .copied()
+            .chain(std::iter::repeat(self.slot_bytes));
+        for (((&(i, key, slot), outcome), buf), read) in
+            plan.iter().zip(outcomes).zip(bufs).zip(read)
+        {
             let corrupt = matches!(outcome, ReadOutcome::Corrupt(_));
             if slots.unpin(slot, &key, corrupt, &mut wipe)
                 && let ReadOutcome::Corrupt(e) = &outcome
@@ -125,7 +133,7 @@ impl DiskTier {
             match &outcome {
                 ReadOutcome::Hit => {
                     self.metrics.hits.inc();
-                    self.metrics.read_bytes.inc_by(self.slot_bytes as u64);
+                    self.metrics.read_bytes.inc_by(read as u64);
                 }
                 ReadOutcome::Corrupt(_) => {
                     self.metrics.misses.inc();

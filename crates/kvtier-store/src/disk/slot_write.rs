@@ -73,6 +73,7 @@ impl DiskTier {
                         slots.written(slot, key);
                         put.push(Change::Put(slot, key));
                         self.metrics.written_bytes.inc_by(self.slot_bytes as u64);
+                        self.metrics.written_blocks.inc();
                         results[i] = Some(Ok(PutOutcome::Written));
                     }
                     Err(e) => {

@@ -299,6 +299,7 @@ impl RemoteTier {
                         .write_seconds
                         .observe(t.elapsed().as_secs_f64());
                     self.metrics.written_bytes.inc_by(bytes as u64);
+                    self.metrics.written_blocks.inc_by(count as u64);
                     written += count;
                 }
                 Err(e) => {
