@@ -823,12 +823,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_device_import_places_every_head_as_the_in_place_one_does() {
-        // The path a GPU pool takes (one host buffer, one copy, heads
-        // placed by slice_set), run on CPU tensors against the in-place
-        // path, with and without a codec, one layer and a run of layers,
-        // a whole block and a tail of fewer rows.
+    /// A pool of 3 layers, 2 heads, 3-row pages of 4 dims, page 1 written
+    /// with a different ramp in each layer.
+    fn three_layers_in_page_1() -> KvPool {
         let pool = KvPool::new(3, 2, 4, 3, 4, &Device::Cpu).unwrap();
         let k = ramp();
         for layer in 0..3 {
@@ -836,6 +833,16 @@ mod tests {
             pool.write(layer, &[1], 0, &kl, &(&kl * -0.5).unwrap())
                 .unwrap();
         }
+        pool
+    }
+
+    #[test]
+    fn the_device_import_places_every_head_as_the_in_place_one_does() {
+        // The path a GPU pool takes (one host buffer, one copy, heads
+        // placed by slice_set), run on CPU tensors against the in-place
+        // path, with and without a codec, one layer and a run of layers,
+        // a whole block and a tail of fewer rows.
+        let pool = three_layers_in_page_1();
         let w = pool.page_writer();
         let zeros = pool.export(0).unwrap();
         let plain = pool.store_layout(KvCodec::None);
@@ -884,13 +891,7 @@ mod tests {
         // A prompt's tail is stored as a short block: the page's first
         // rows only, every codec; it comes back into those rows and leaves
         // the rest of the page alone.
-        let pool = KvPool::new(3, 2, 4, 3, 4, &Device::Cpu).unwrap();
-        let k = ramp();
-        for layer in 0..3 {
-            let kl = ((&k - 5.0).unwrap() * (0.5 + layer as f64)).unwrap();
-            pool.write(layer, &[1], 0, &kl, &(&kl * -0.25).unwrap())
-                .unwrap();
-        }
+        let pool = three_layers_in_page_1();
         let plain = pool.store_layout(KvCodec::None);
         let zeros = pool.export(0).unwrap();
         for codec in [

@@ -341,9 +341,19 @@ impl std::fmt::Debug for BlockBuf {
 impl BlockBuf {
     /// A buffer for one block of `layout` from `alloc`.
     pub fn new(layout: KvLayout, alloc: &Arc<dyn HostAllocator>) -> Result<Self, BlockError> {
-        layout.validate()?;
-        let len = usize::try_from(layout.encoded_bytes())
-            .map_err(|_| BlockError::Alloc(format!("a block of {layout} does not fit memory")))?;
+        Self::in_slot_of(layout, layout, alloc)
+    }
+
+    /// A buffer of a slot of `slot`'s layout holding a block of `layout`
+    /// (`slot`'s, or a short block of it), padding zeroed.
+    fn in_slot_of(
+        slot: KvLayout,
+        layout: KvLayout,
+        alloc: &Arc<dyn HostAllocator>,
+    ) -> Result<Self, BlockError> {
+        slot.validate()?;
+        let len = usize::try_from(slot.encoded_bytes())
+            .map_err(|_| BlockError::Alloc(format!("a block of {slot} does not fit memory")))?;
         let mut buf = AlignedBuf::for_overwrite_in(alloc, len, DIRECT_IO_ALIGN)
             .map_err(|e| BlockError::Alloc(e.to_string()))?;
         if buf.len() != len {
@@ -373,11 +383,7 @@ impl BlockBuf {
                 layout.block_tokens
             )));
         }
-        let mut block = Self::new(layout, alloc)?;
-        block.layout = layout.with_tokens(rows);
-        let end = HEADER_BYTES + block.layout.stored_payload_bytes() as usize;
-        block.buf[end..].fill(0);
-        Ok(block)
+        Self::in_slot_of(layout, layout.with_tokens(rows), alloc)
     }
 
     /// The layout the payload has.

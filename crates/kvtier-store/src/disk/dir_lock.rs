@@ -22,7 +22,7 @@
 //! process wrote and no longer holds is waited for, up to [`FORK_GRACE`];
 //! one this process still holds is refused at once.
 
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Seek, Write};
 use std::os::unix::fs::MetadataExt;
@@ -41,10 +41,10 @@ pub const LOCK_FILE: &str = "owner.lock";
 const FORK_GRACE: Duration = Duration::from_secs(2);
 
 /// The lock files this process holds, as (device, inode).
-static HELD: Mutex<Option<HashSet<(u64, u64)>>> = Mutex::new(None);
+static HELD: Mutex<BTreeSet<(u64, u64)>> = Mutex::new(BTreeSet::new());
 
 fn held(id: (u64, u64)) -> bool {
-    HELD.lock().as_ref().is_some_and(|h| h.contains(&id))
+    HELD.lock().contains(&id)
 }
 
 /// A held lock (released when dropped, or when the process ends).
@@ -59,9 +59,7 @@ impl Drop for DirLock {
     fn drop(&mut self) {
         // Out of HELD before the file closes: once it is closed another
         // owner in this process may take the lock and enter it.
-        if let Some(h) = HELD.lock().as_mut() {
-            h.remove(&self.id);
-        }
+        HELD.lock().remove(&self.id);
     }
 }
 
@@ -112,7 +110,7 @@ impl DirLock {
                 Err(TryLockError::Error(e)) => return Err(open_err(e)),
             }
         }
-        HELD.lock().get_or_insert_default().insert(id);
+        HELD.lock().insert(id);
         let lock = Self { file, id };
         let mut file = &lock.file;
         file.set_len(0)

@@ -297,13 +297,10 @@ impl DiskTier {
             })
             .collect();
         // A short block's read ends with it, short of its slot.
-        let read: Vec<usize> = bounds
-            .iter()
-            .map(|b| b.last().copied().unwrap_or(0))
-            .collect();
         self.settle_reads(
             &plan,
-            (outcomes, &read),
+            outcomes,
+            |j| bounds.get(j).and_then(|b| b.last().copied()).unwrap_or(0),
             bufs.into_iter().map(Some).collect(),
             &mut out,
         );

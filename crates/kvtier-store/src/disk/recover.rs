@@ -95,11 +95,8 @@ impl DiskTier {
                     }
                     _ => None,
                 };
-                let indexed = header.is_some_and(|h| {
-                    self.spec.takes(&h.layout)
-                        && h.encoded_len() <= self.slot_bytes
-                        && slots.recover(slot, h.key)
-                });
+                let indexed = header
+                    .is_some_and(|h| self.spec.takes(&h.layout) && slots.recover(slot, h.key));
                 if !indexed {
                     slots.recover_free(slot);
                 }

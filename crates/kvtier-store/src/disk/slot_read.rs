@@ -66,8 +66,7 @@ impl DiskTier {
             });
             bufs.push(d.buf.into_owned());
         }
-        let read = vec![self.slot_bytes; plan.len()];
-        self.settle_reads(&plan, (settled, &read), bufs, &mut out);
+        self.settle_reads(&plan, settled, |_| self.slot_bytes, bufs, &mut out);
         out.into_iter().flatten().collect()
     }
 
@@ -105,23 +104,20 @@ impl DiskTier {
 
     /// Unpins the slots of `plan` after their reads found `outcomes`
     /// (a corrupt block is dropped from the index and its header wiped),
-    /// counts them (a hit's `read` bytes), and puts each buffer the engine
-    /// handed back into `out`.
+    /// counts them (`read(j)` bytes for the hit of `plan[j]`), and puts
+    /// each buffer the engine handed back into `out`.
     pub(super) fn settle_reads(
         &self,
         plan: &[ReadPlan],
-        (outcomes, read): (Vec<ReadOutcome>, &[usize]),
+        outcomes: Vec<ReadOutcome>,
+        read: impl Fn(usize) -> usize,
         bufs: Vec<Option<AlignedBuf>>,
         out: &mut [Option<DiskRead>],
     ) {
         let mut wipe: Vec<u32> = Vec::new();
         let mut slots = self.slots.lock();
-        let read = read
-            .iter()
-            .copied()
-            .chain(std::iter::repeat(self.slot_bytes));
-        for (((&(i, key, slot), outcome), buf), read) in
-            plan.iter().zip(outcomes).zip(bufs).zip(read)
+        for (j, ((&(i, key, slot), outcome), buf)) in
+            plan.iter().zip(outcomes).zip(bufs).enumerate()
         {
             let corrupt = matches!(outcome, ReadOutcome::Corrupt(_));
             if slots.unpin(slot, &key, corrupt, &mut wipe)
@@ -133,7 +129,7 @@ impl DiskTier {
             match &outcome {
                 ReadOutcome::Hit => {
                     self.metrics.hits.inc();
-                    self.metrics.read_bytes.inc_by(read as u64);
+                    self.metrics.read_bytes.inc_by(read(j) as u64);
                 }
                 ReadOutcome::Corrupt(_) => {
                     self.metrics.misses.inc();

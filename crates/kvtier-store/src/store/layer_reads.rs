@@ -167,6 +167,6 @@ impl TieredStore {
         sink: std::sync::Arc<dyn LayerSink>,
         notify: impl FnOnce() + Send + 'static,
     ) -> Handle<Vec<StoredBlock>> {
-        self.read_prefix_on_readers((keys, tail_rows), Some(sink), notify)
+        self.read_prefix_on_readers(keys, tail_rows, Some(sink), notify)
     }
 }

@@ -734,7 +734,7 @@ impl TieredStore {
         tail_rows: Option<u32>,
         notify: impl FnOnce() + Send + 'static,
     ) -> Handle<Vec<StoredBlock>> {
-        self.read_prefix_on_readers((keys, tail_rows), None, notify)
+        self.read_prefix_on_readers(keys, tail_rows, None, notify)
     }
 
     /// The leading run of `keys` (the last of them a short block of
@@ -742,7 +742,8 @@ impl TieredStore {
     /// each block's layers to `sink` when given (`layer_reads`).
     pub(super) fn read_prefix_on_readers(
         &self,
-        (keys, tail_rows): (Vec<BlockKey>, Option<u32>),
+        keys: Vec<BlockKey>,
+        tail_rows: Option<u32>,
         sink: Option<Arc<dyn LayerSink>>,
         notify: impl FnOnce() + Send + 'static,
     ) -> Handle<Vec<StoredBlock>> {

@@ -104,8 +104,8 @@ impl TieredStore {
         let spans_of = |i: usize| sink.and_then(|_| LayerSpans::of(&layout_of(i)));
         let paced = sink.map(Paced);
         let sink = paced.as_ref().map(|p| p as &dyn LayerSink);
-        // A block read whole: all its layers at once, if it holds the rows
-        // asked for.
+        // A G4 value, read whole: all its layers at once, if it holds the
+        // rows asked for (checked again, with the rest, where it lands).
         let whole = |i: usize, buf: &AlignedBuf| {
             let Some(sink) = sink else { return };
             let len = layout_of(i).stored_payload_bytes() as usize;
@@ -146,8 +146,8 @@ impl TieredStore {
             })
             .collect();
         for (i, found) in out.iter().enumerate() {
-            if let Found::Hit(b) = found {
-                whole(i, b.encoded());
+            if let (Some(sink), Found::Hit(b)) = (sink, found) {
+                sink.layers(i, 0..layers, b.payload());
             }
         }
         self.record_sightings(
