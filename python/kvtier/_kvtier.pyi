@@ -141,6 +141,10 @@ class Transfer:
     def wait(self, timeout: float | None = None) -> list[BlockResult] | None:
         """One result per key once done (the GIL released meanwhile);
         ``None`` if ``timeout`` seconds passed first."""
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """True once layer ``layer`` of every block is in memory or will
+        not come (a layer-wise load: as each layer lands; any other
+        transfer: once done); False if ``timeout`` seconds passed first."""
     def cancel(self) -> None:
         """Blocks not yet copied report ``cancelled``; their memory is not
         touched."""
@@ -156,7 +160,11 @@ class Namespace:
     def token_keys(self, tokens: list[int], salt: bytes = ...) -> list[bytes]: ...
     def lookup(self, hashes: list[bytes]) -> int: ...
     def _load(
-        self, hashes: list[bytes], pieces: list[list[tuple[int, int, int]]], keep: Any
+        self,
+        hashes: list[bytes],
+        pieces: list[list[tuple[int, int, int]]],
+        keep: Any,
+        layerwise: bool = False,
     ) -> Transfer: ...
     def _save(
         self, hashes: list[bytes], pieces: list[list[tuple[int, int, int]]], keep: Any

@@ -14,7 +14,9 @@ the one into or out of the store's block buffer). They return at once with
 a :class:`Transfer`; ``done()`` polls, ``wait()`` gives one
 :class:`BlockResult` per block (``hit``, ``miss``, ``corrupt``, ``error``,
 ``stored``, ``present``, ``cancelled``), ``cancel()`` stops it. The arrays
-are held until the transfer is finished; do not touch them before.
+are held until the transfer is finished; do not touch them before. A load
+with ``layerwise=True`` writes each layer as it lands, and
+``wait_layer(l)`` tells when layer ``l`` of every block may be read.
 
 Example (vLLM's CPU cache: per layer a ``[num_blocks, kv_heads, 128,
 2 * head_dim]`` tensor)::
@@ -140,14 +142,21 @@ class Namespace:
             out.append(block)
         return out
 
-    def load(self, keys: Sequence[BlockHash], dests: Sequence[Any]) -> Transfer:
+    def load(self, keys: Sequence[BlockHash], dests: Sequence[Any], layerwise: bool = False) -> Transfer:
         """Starts loading the blocks of ``keys`` into ``dests``: per key one
         array of the whole payload, or a list of arrays, one per region of
-        :meth:`Layout.regions` in order. Returns at once."""
+        :meth:`Layout.regions` in order. Returns at once.
+
+        ``layerwise``: each block's layers are written as they land, and
+        ``Transfer.wait_layer(l)`` returns once layer ``l`` of every block
+        is in, while later layers are still read, so a forward pass can
+        start. Blocks are verified once all of them is in: one whose result
+        is not ``hit`` may have been written (with bytes that failed their
+        check), and nothing computed from it may be kept."""
         keys = _hashes(keys)
         if len(keys) != len(dests):
             raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
-        return self._ns._load(keys, self._pieces(dests, True), list(dests))
+        return self._ns._load(keys, self._pieces(dests, True), list(dests), layerwise)
 
     def save(self, keys: Sequence[BlockHash], srcs: Sequence[Any]) -> Transfer:
         """Starts saving ``srcs`` (as ``dests`` of :meth:`load`) as the
@@ -183,15 +192,21 @@ class Namespace:
             out.append(block)
         return out
 
-    def load_pages(self, keys: Sequence[BlockHash], layers: Sequence[Any], block_ids: Sequence[int]) -> Transfer:
+    def load_pages(
+        self,
+        keys: Sequence[BlockHash],
+        layers: Sequence[Any],
+        block_ids: Sequence[int],
+        layerwise: bool = False,
+    ) -> Transfer:
         """Starts loading block ``keys[i]`` into page ``block_ids[i]`` of
         every layer tensor (``layers[l]``: C-contiguous, ``[num_pages,
         ...]``, each page one layer of one block: vLLM's KV cache tensors).
-        Returns at once."""
+        Returns at once. ``layerwise`` as for :meth:`load`."""
         keys = _hashes(keys)
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
-        return self._ns._load(keys, self._pages(layers, block_ids, True), list(layers))
+        return self._ns._load(keys, self._pages(layers, block_ids, True), list(layers), layerwise)
 
     def save_pages(self, keys: Sequence[BlockHash], layers: Sequence[Any], block_ids: Sequence[int]) -> Transfer:
         """Starts saving page ``block_ids[i]`` of every layer tensor as the

@@ -326,20 +326,28 @@ impl Transfer {
         let Some(t) = &self.inner else {
             return Ok(Some(Vec::new()));
         };
-        let limit = match timeout {
-            Some(s) if !(s.is_finite() && s >= 0.0) => {
-                return Err(bad(format!(
-                    "timeout must be a number of seconds >= 0, not {s}"
-                )));
-            }
-            Some(s) => Some(Duration::from_secs_f64(s.min(1e9))),
-            None => None,
-        };
+        let limit = seconds(timeout)?;
         let results = py.detach(|| match limit {
             Some(l) => t.wait_timeout(l),
             None => Some(t.wait()),
         });
         Ok(results.map(|r| r.into_iter().map(BlockResult::from).collect()))
+    }
+
+    /// Waits (without the GIL) until layer `layer` of every block is in
+    /// memory or will not come (its result is then not a hit), at most
+    /// `timeout` seconds; True once so, False on timeout. A layer-wise load
+    /// (`layerwise=True`) has a layer in as soon as it landed in every
+    /// block, while later layers are still read; any other transfer once it
+    /// is done. A block whose result is not `hit` may have been written by
+    /// a layer-wise load: keep nothing computed from it.
+    #[pyo3(signature = (layer, timeout = None))]
+    fn wait_layer(&self, py: Python<'_>, layer: u32, timeout: Option<f64>) -> PyResult<bool> {
+        let Some(t) = &self.inner else {
+            return Ok(true);
+        };
+        let limit = seconds(timeout)?;
+        Ok(py.detach(|| t.wait_layer(layer, limit)))
     }
 
     /// Asks the transfer to stop: blocks not yet copied report
@@ -351,8 +359,28 @@ impl Transfer {
     }
 }
 
+/// A timeout in seconds as a duration (`None`: no limit); refused unless
+/// a finite number >= 0.
+fn seconds(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout {
+        Some(s) if !(s.is_finite() && s >= 0.0) => Err(bad(format!(
+            "timeout must be a number of seconds >= 0, not {s}"
+        ))),
+        Some(s) => Ok(Some(Duration::from_secs_f64(s.min(1e9)))),
+        None => Ok(None),
+    }
+}
+
 fn store_error(e: impl std::fmt::Display) -> PyErr {
     Python::attach(|py| ErrorInfo::new(Kind::Store, e.to_string()).into_py_err(py))
+}
+
+/// What a `Namespace::start` does.
+enum Work {
+    Load,
+    /// A load handing each layer over as it lands (`Transfer.wait_layer`).
+    LoadLayers,
+    Save,
 }
 
 /// One model's (or layout's, or rank's) part of a store.
@@ -377,7 +405,7 @@ impl Namespace {
         keys: Vec<kvtier_store::BlockKey>,
         pieces: Vec<Vec<(u64, usize, usize)>>,
         keep: Py<PyAny>,
-        save: bool,
+        work: Work,
     ) -> PyResult<Transfer> {
         let mut regions = Vec::with_capacity(pieces.len());
         for block in &pieces {
@@ -392,10 +420,10 @@ impl Namespace {
             regions
                 .push(unsafe { BlockRegions::from_raw(&self.layout, &raw) }.map_err(store_error)?);
         }
-        let t = if save {
-            self.store.save(keys, regions, None)
-        } else {
-            self.store.load(keys, regions, None)
+        let t = match work {
+            Work::Save => self.store.save(keys, regions, None),
+            Work::Load => self.store.load(keys, regions, None),
+            Work::LoadLayers => self.store.load_layers(keys, regions, None),
         }
         .map_err(store_error)?;
         Ok(Transfer {
@@ -458,14 +486,22 @@ impl Namespace {
 
     /// Starts loading blocks into memory named by `pieces`, per block a
     /// list of `(payload offset, address, length)`; `keep` holds the
-    /// memory's owners. Use `kvtier.Namespace.load`.
+    /// memory's owners; `layerwise`: each layer as it lands
+    /// (`Transfer.wait_layer`). Use `kvtier.Namespace.load`.
+    #[pyo3(signature = (hashes, pieces, keep, layerwise = false))]
     fn _load(
         &self,
         hashes: Vec<Bound<'_, PyBytes>>,
         pieces: Vec<Vec<(u64, usize, usize)>>,
         keep: Py<PyAny>,
+        layerwise: bool,
     ) -> PyResult<Transfer> {
-        self.start(self.store_keys(&hashes), pieces, keep, false)
+        let work = if layerwise {
+            Work::LoadLayers
+        } else {
+            Work::Load
+        };
+        self.start(self.store_keys(&hashes), pieces, keep, work)
     }
 
     /// Starts saving blocks from memory named by `pieces` (as `_load`).
@@ -475,7 +511,7 @@ impl Namespace {
         pieces: Vec<Vec<(u64, usize, usize)>>,
         keep: Py<PyAny>,
     ) -> PyResult<Transfer> {
-        self.start(self.store_keys(&hashes), pieces, keep, true)
+        self.start(self.store_keys(&hashes), pieces, keep, Work::Save)
     }
 
     /// Writes every block not yet on disk and syncs (without the GIL).

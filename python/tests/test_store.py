@@ -1,7 +1,8 @@
 """kvtier.Store through the Python API: every layout round-trips with numpy
 and torch memory, across a restart of the process; a flipped byte on disk
 is reported corrupt for that block only; a cancelled load leaves memory
-untouched past what it reports; bad memory is refused with a clear error."""
+untouched past what it reports; a layer-wise load has each layer in when it
+says so; bad memory is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -155,6 +156,51 @@ def test_a_coded_store_keeps_fewer_bytes_and_gives_torch_pages_back_within_bound
         Layout.vllm_cpu(2, 2, 64, codec="fp4")
     with pytest.raises(ValueError, match="cannot store"):
         Layout(2, 2, 64, 16, dtype="bf16", codec="bf16")
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_layerwise_load_has_each_layer_in_when_wait_layer_says_so(tmp_path: Path, codec: str) -> None:
+    layout = Layout.vllm_cpu(4, 2, 64, block_tokens=16, dtype="f32", codec=codec)
+    store = Store(str(tmp_path), g2_bytes=64 << 20, g3_bytes=64 << 20)
+    ns = store.namespace(layout, fingerprint=b"model-l")
+    torch.manual_seed(2)
+    kv = [torch.randn(12, 2, 16, 128) for _ in range(4)]
+    keys = hashes(10)
+    assert all(r == "stored" for r in ns.save_pages(keys, kv, range(10)).wait())
+    ns.evict_memory()
+    whole = [torch.zeros_like(t) for t in kv]
+    assert all(r.tier == "g3" for r in ns.load_pages(keys, whole, range(10)).wait())
+    ns.evict_memory()
+
+    # Block 10 is no one's: a miss, never written.
+    back = [torch.full_like(t, 7.0) for t in kv]
+    t = ns.load_pages(keys + hashes(1, b"none"), back, range(11), layerwise=True)
+    for l in range(4):
+        assert t.wait_layer(l, timeout=60)
+        # Layer l is in now, while later layers may still be read.
+        assert torch.equal(back[l][:10], whole[l][:10]), l
+    res = t.wait()
+    assert [r.status for r in res] == ["hit"] * 10 + ["miss"]
+    assert all(r.tier == "g3" for r in res[:10])
+    assert all(bool((b[10:] == 7.0).all()) for b in back)
+    with pytest.raises(ValueError, match="timeout"):
+        t.wait_layer(0, timeout=-1.0)
+
+    # A corrupt layer on disk: that block is corrupt (its pages may have
+    # been written: a caller keeps nothing made from it), the rest whole.
+    path, off = ns.locate(keys[4]) or ("", 0)
+    with open(path, "r+b") as f:
+        at = off + 128 + 3 * layout.stored_payload_bytes // 4 + 5
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    ns.evict_memory()
+    back = [torch.zeros_like(t) for t in kv]
+    res = ns.load_pages(keys, back, range(10), layerwise=True).wait()
+    assert [r.status for r in res] == ["hit"] * 4 + ["corrupt"] + ["hit"] * 5
+    for l in range(4):
+        assert torch.equal(back[l][:4], whole[l][:4]) and torch.equal(back[l][5:10], whole[l][5:10])
 
 
 def test_a_restarted_process_finds_the_blocks(tmp_path: Path) -> None:

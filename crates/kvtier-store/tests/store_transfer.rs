@@ -3,7 +3,9 @@
 //! G2, G3 and a restart; corrupt, missing and unreachable blocks are each
 //! reported as such and leave the caller's memory untouched; cancelled
 //! blocks are never written; bad buffers are refused; every codec
-//! round-trips within its bound, decoded straight into the caller's memory.
+//! round-trips within its bound, decoded straight into the caller's memory;
+//! a layer-wise load has each layer in when it says so and ends as a whole
+//! load does.
 
 mod common;
 
@@ -467,6 +469,126 @@ fn a_dropped_transfer_is_waited_for_and_an_empty_one_is_done() {
     for b in stored.into_iter().flatten() {
         assert!(b.payload().iter().all(|&x| x == 3));
     }
+}
+
+#[test]
+fn a_layer_wise_load_has_each_layer_in_when_it_says_so_and_ends_as_a_whole_load() {
+    for arrangement in [Arrangement::LayerFused, Arrangement::KvMajor] {
+        for codec in [KvCodec::None, KvCodec::Int8] {
+            let layout = KvLayout {
+                arrangement,
+                ..KvLayout::vllm_cpu(4, 2, 64, 16, KvDtype::F32)
+            }
+            .with_codec(codec);
+            let (n, layers) = (12, layout.layers as usize);
+            let size = layer_bytes(&layout);
+            let keys = chain_keys(&layout, n as u64);
+            let mut src = Cache::new(layout, n, 0);
+            for (l, t) in src.layers.iter_mut().enumerate() {
+                for (i, e) in t.chunks_exact_mut(4).enumerate() {
+                    e.copy_from_slice(&kv_value(i * 4 / size, l, i % (size / 4)).to_le_bytes());
+                }
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let store = TieredStore::open(config(layout, dir.path(), 64)).unwrap();
+            let saved = wait(
+                store
+                    .save(keys.clone(), src.all_regions(0..n), None)
+                    .unwrap(),
+            );
+            assert_eq!(saved, vec![BlockResult::Stored; n], "{layout}");
+            // What a whole load decodes: a layer-wise one must end the same.
+            let mut whole = Cache::new(layout, n, 0);
+            wait(
+                store
+                    .load(keys.clone(), whole.all_regions(0..n), None)
+                    .unwrap(),
+            );
+
+            let unknown = KeyChain::new(&fingerprint(), &layout, b"").raw_key(b"never saved");
+            let mut asked = keys.clone();
+            asked.push(unknown);
+            for tier in [Tier::G2, Tier::G3] {
+                if tier == Tier::G3 {
+                    store.evict_memory().unwrap();
+                }
+                let mut dst = Cache::new(layout, n + 1, 0xEE);
+                let t = store
+                    .load_layers(asked.clone(), dst.all_regions(0..n + 1), None)
+                    .unwrap();
+                for l in 0..layers {
+                    assert!(t.wait_layer(l as u32, Some(Duration::from_secs(60))));
+                    // Layer `l` is in now, whatever the later layers do.
+                    for p in 0..n {
+                        assert_eq!(
+                            dst.page(l, p),
+                            whole.page(l, p),
+                            "{layout} {tier:?} {l} {p}"
+                        );
+                    }
+                }
+                let mut want = vec![BlockResult::Hit(tier); n];
+                want.push(BlockResult::Miss);
+                assert_eq!(wait(t), want, "{layout}");
+                for l in 0..layers {
+                    assert!(
+                        dst.page(l, n).iter().all(|&b| b == 0xEE),
+                        "a miss was written"
+                    );
+                }
+            }
+
+            // A block whose layer 2 is corrupt on disk is reported so; the
+            // others come back whole.
+            store.evict_memory().unwrap();
+            let (path, off) = store.disk().unwrap().locate_key(&keys[3]).expect("on disk");
+            let stored_layer = layout.stored_payload_bytes() / layout.layers as u64;
+            flip_byte(&path, off + 128 + 2 * stored_layer + 10);
+            let mut dst = Cache::new(layout, n, 0xEE);
+            let t = store
+                .load_layers(keys.clone(), dst.all_regions(0..n), None)
+                .unwrap();
+            assert!(t.wait_layer(layout.layers - 1, Some(Duration::from_secs(60))));
+            let got = wait(t);
+            for (p, r) in got.iter().enumerate() {
+                if p == 3 {
+                    assert!(matches!(r, BlockResult::Corrupt(_)), "{layout}: {r:?}");
+                    continue;
+                }
+                assert_eq!(*r, BlockResult::Hit(Tier::G3), "{layout} block {p}");
+                for l in 0..layers {
+                    assert_eq!(dst.page(l, p), whole.page(l, p));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_load_that_is_not_layer_wise_has_a_layer_in_once_it_is_done() {
+    let layout = KvLayout::vllm_cpu(2, 1, 64, 16, KvDtype::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let store = TieredStore::open(config(layout, dir.path(), 8)).unwrap();
+    let keys = chain_keys(&layout, 3);
+    let mut src = Cache::new(layout, 3, 0);
+    for p in 0..3 {
+        src.fill_page(p, p as u64);
+    }
+    wait(
+        store
+            .save(keys.clone(), src.all_regions(0..3), None)
+            .unwrap(),
+    );
+    let mut dst = Cache::new(layout, 3, 0);
+    let t = store.load(keys, dst.all_regions(0..3), None).unwrap();
+    assert!(t.wait_layer(0, None));
+    assert!(
+        t.is_done(),
+        "a plain load's layer is in only once all of it is"
+    );
+    assert!(t.wait_layer(7, Some(Duration::ZERO)), "past the last layer");
+    assert_eq!(wait(t), vec![BlockResult::Hit(Tier::G2); 3]);
+    assert_eq!(dst.page(1, 2), src.page(1, 2));
 }
 
 #[test]

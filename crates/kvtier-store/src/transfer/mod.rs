@@ -20,6 +20,11 @@
 //!   anything else was copied whole (or, for a miss, not touched).
 //!   Dropping a transfer cancels it and waits for the block being copied,
 //!   so the caller's memory is never written after the handle is gone.
+//! * **Layer by layer** ([`TieredStore::load_layers`], `layers.rs`): each
+//!   block's layers are decoded into the caller's memory as they land, and
+//!   [`Transfer::wait_layer`] returns once one layer of every block is in
+//!   (or will not come), so an engine can run that layer's attention while
+//!   the later layers are still being read.
 //!
 //! # Copies
 //!
@@ -39,6 +44,9 @@
 //! threads, so one chunk's copies overlap the next one's reads and each
 //! chunk has enough reads in flight to keep the device busy.
 
+mod layers;
+
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -49,6 +57,7 @@ use crate::key::BlockKey;
 use crate::kv_layout::KvLayout;
 use crate::metrics::Tier;
 use crate::store::{StoreError, TieredStore};
+use layers::LayerProgress;
 
 /// Bytes of blocks per unit of work on a store thread.
 pub const CHUNK_BYTES: u64 = 64 << 20;
@@ -180,11 +189,53 @@ impl BlockRegions {
     /// Decodes `stored` (a verified block's stored payload, of `layout`)
     /// into the caller's memory: a plain copy without a codec.
     fn fill_from(&self, layout: &KvLayout, stored: &[u8]) -> Result<(), CodecError> {
+        self.fill_layers(layout, 0..layout.layers, stored)
+    }
+
+    /// Decodes `stored`, the stored bytes of layers `layers` of a block of
+    /// `layout` (all of them, or a run of layers of a layout that keeps a
+    /// layer contiguous), into the caller's memory for those layers.
+    fn fill_layers(
+        &self,
+        layout: &KvLayout,
+        layers: Range<u32>,
+        stored: &[u8],
+    ) -> Result<(), CodecError> {
+        let shape = |why: String| CodecError::Shape(why);
+        let logical = layer_span(layout, layers.clone())
+            .ok_or_else(|| shape(format!("layers {layers:?} of {layout} are not contiguous")))?;
+        let base = layout
+            .stored_range(logical.clone())
+            .ok_or_else(|| shape(format!("layers {layers:?} of {layout} are off its groups")))?
+            .start;
         for r in &self.regions {
+            let (start, end) = (r.offset as u64, (r.offset + r.len) as u64);
+            let (a, b) = (start.max(logical.start), end.min(logical.end));
+            if a >= b {
+                continue;
+            }
+            let src = layout
+                .stored_range(a..b)
+                .and_then(|s| stored.get((s.start - base) as usize..(s.end - base) as usize))
+                .ok_or_else(|| {
+                    shape(format!(
+                        "{} stored bytes do not hold layers {layers:?} of {layout}",
+                        stored.len()
+                    ))
+                })?;
             // SAFETY: `from_raw`'s contract: the caller's memory is valid
-            // for writes and ours alone until the transfer finishes.
-            let dst = unsafe { std::slice::from_raw_parts_mut(r.ptr, r.len) };
-            layout.decode_into(stored, r.offset as u64, dst)?;
+            // for writes and ours alone until the transfer finishes; `a..b`
+            // lies within this piece.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(r.ptr.add((a - start) as usize), (b - a) as usize)
+            };
+            crate::codec::decode(
+                layout.codec,
+                layout.dtype,
+                layout.head_dim as usize,
+                src,
+                dst,
+            )?;
         }
         Ok(())
     }
@@ -201,11 +252,34 @@ impl BlockRegions {
     }
 }
 
+/// Where the payload bytes of layers `layers` of a block of `layout` lie:
+/// the whole payload for all layers, else (a layout that keeps a layer
+/// contiguous) from the first's start to the last's end.
+fn layer_span(layout: &KvLayout, layers: Range<u32>) -> Option<Range<u64>> {
+    if layers == (0..layout.layers) {
+        return Some(0..layout.payload_bytes());
+    }
+    let first = layout.layer_range(layers.start)?;
+    let last = layout.layer_range(layers.end.checked_sub(1)?)?;
+    (first.start < last.end).then_some(first.start..last.end)
+}
+
+/// What a transfer's chunks do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Work {
+    Load,
+    /// A load handing each layer over as it lands (`layers.rs`).
+    LoadLayers,
+    Save,
+}
+
 struct State {
     results: Vec<Option<BlockResult>>,
     /// Chunks not finished yet.
     chunks_left: usize,
     notify: Option<Box<dyn FnOnce() + Send>>,
+    /// For a layer-wise load: which layers of which blocks are in.
+    layers: Option<LayerProgress>,
 }
 
 struct Shared {
@@ -224,8 +298,13 @@ impl Shared {
     fn chunk_done(&self, first: usize, results: Vec<BlockResult>) {
         let notify = {
             let mut st = self.state.lock();
+            let blocks = first..first + results.len();
             for (slot, r) in st.results[first..].iter_mut().zip(results) {
                 *slot = Some(r);
+            }
+            if let Some(p) = &mut st.layers {
+                // Nothing more lands for these blocks.
+                p.settle(blocks);
             }
             st.chunks_left -= 1;
             if st.chunks_left > 0 {
@@ -255,13 +334,19 @@ impl std::fmt::Debug for Transfer {
 }
 
 impl Transfer {
-    fn start(blocks: usize, chunks: usize, notify: Option<Box<dyn FnOnce() + Send>>) -> Self {
+    fn start(
+        blocks: usize,
+        chunks: usize,
+        layers: Option<u32>,
+        notify: Option<Box<dyn FnOnce() + Send>>,
+    ) -> Self {
         let t = Transfer {
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
                     results: vec![None; blocks],
                     chunks_left: chunks,
                     notify,
+                    layers: layers.map(|n| LayerProgress::new(blocks, n)),
                 }),
                 finished: Condvar::new(),
                 cancelled: Default::default(),
@@ -326,6 +411,29 @@ impl Transfer {
         Some(Self::collect(&st))
     }
 
+    /// Waits until layer `layer` of every block is in the caller's memory
+    /// or will not come (the block's result is then not a hit), at most
+    /// `limit` (`None`: no limit); true once so, false on timeout. For a
+    /// load that is not layer-wise ([`TieredStore::load_layers`]), and for
+    /// a layer past the last, that is once the whole transfer is done.
+    pub fn wait_layer(&self, layer: u32, limit: Option<Duration>) -> bool {
+        let ready =
+            |st: &State| st.chunks_left == 0 || st.layers.as_ref().is_some_and(|p| p.ready(layer));
+        let deadline = limit.map(|l| Instant::now() + l);
+        let mut st = self.shared.state.lock();
+        while !ready(&st) {
+            match deadline {
+                Some(d) => {
+                    if self.shared.finished.wait_until(&mut st, d).timed_out() {
+                        return ready(&st);
+                    }
+                }
+                None => self.shared.finished.wait(&mut st),
+            }
+        }
+        true
+    }
+
     fn collect(st: &State) -> Vec<BlockResult> {
         st.results
             .iter()
@@ -363,7 +471,7 @@ impl TieredStore {
         dests: Vec<BlockRegions>,
         notify: Option<Box<dyn FnOnce() + Send>>,
     ) -> Result<Transfer, StoreError> {
-        self.transfer(keys, dests, notify, false)
+        self.transfer(keys, dests, notify, Work::Load)
     }
 
     /// Saves the caller's memory `srcs` (one [`BlockRegions`] per key) as
@@ -379,7 +487,7 @@ impl TieredStore {
         srcs: Vec<BlockRegions>,
         notify: Option<Box<dyn FnOnce() + Send>>,
     ) -> Result<Transfer, StoreError> {
-        self.transfer(keys, srcs, notify, true)
+        self.transfer(keys, srcs, notify, Work::Save)
     }
 
     fn transfer(
@@ -387,7 +495,7 @@ impl TieredStore {
         keys: Vec<BlockKey>,
         mut regions: Vec<BlockRegions>,
         notify: Option<Box<dyn FnOnce() + Send>>,
-        save: bool,
+        work: Work,
     ) -> Result<Transfer, StoreError> {
         if keys.len() != regions.len() {
             return Err(StoreError::Regions(format!(
@@ -398,7 +506,8 @@ impl TieredStore {
         }
         let per = chunk_blocks(&self.layout());
         let chunks = keys.len().div_ceil(per);
-        let transfer = Transfer::start(keys.len(), chunks, notify);
+        let layers = (work == Work::LoadLayers).then_some(self.layout().layers);
+        let transfer = Transfer::start(keys.len(), chunks, layers, notify);
         for (c, chunk_keys) in keys.chunks(per).enumerate() {
             let first = c * per;
             let chunk_regions: Vec<BlockRegions> = regions
@@ -409,10 +518,14 @@ impl TieredStore {
             let job: Box<dyn FnOnce() + Send> = Box::new(move || {
                 let results = if shared.is_cancelled() {
                     vec![BlockResult::Cancelled; chunk_keys.len()]
-                } else if save {
-                    store.save_chunk(&chunk_keys, &chunk_regions, &shared)
                 } else {
-                    store.load_chunk(&chunk_keys, &chunk_regions, &shared)
+                    match work {
+                        Work::Save => store.save_chunk(&chunk_keys, &chunk_regions, &shared),
+                        Work::Load => store.load_chunk(&chunk_keys, &chunk_regions, &shared),
+                        Work::LoadLayers => {
+                            store.load_layers_chunk(first, &chunk_keys, &chunk_regions, &shared)
+                        }
+                    }
                 };
                 // Let go of the store before the caller can be told: one
                 // that then closes it (and reopens the directory) must find
@@ -420,7 +533,11 @@ impl TieredStore {
                 drop(store);
                 shared.chunk_done(first, results);
             });
-            let pool = if save { self.savers() } else { self.readers() };
+            let pool = if work == Work::Save {
+                self.savers()
+            } else {
+                self.readers()
+            };
             if let Err(job) = pool.submit(job) {
                 // No thread to run it: run it here rather than lose it.
                 job();
