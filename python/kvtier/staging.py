@@ -116,16 +116,20 @@ class PageStaging:
             self._canonical(host[l]).copy_(sel.contiguous())
         return host
 
-    def scatter(self, host: torch.Tensor, block_ids: list[int]) -> None:
+    def scatter(self, host: torch.Tensor, block_ids: list[int], layer: int | None = None) -> None:
         """Writes canonical pages from ``host`` into ``block_ids`` of every
-        layer (queued on the device's current stream; a pinned ``host`` is
-        kept alive by torch until its copies are done)."""
+        layer, or of ``layer`` alone (queued on the device's current stream;
+        a pinned ``host`` is kept alive by torch until its copies are
+        done)."""
         if host.shape != (len(self.layers), len(block_ids), self.page_elems):
             raise ValueError(f"kvtier: host pages of shape {tuple(host.shape)} for {len(block_ids)} blocks")
         device = self.layers[0].device
         idx = torch.tensor(block_ids, dtype=torch.long, device=device)
         n = len(block_ids)
-        for l, t in enumerate(self.layers):
+        if layer is not None and not 0 <= layer < len(self.layers):
+            raise ValueError(f"kvtier: no layer {layer} of {len(self.layers)}")
+        for l in range(len(self.layers)) if layer is None else [layer]:
+            t = self.layers[l]
             pages = self._canonical(host[l].to(device, non_blocking=True))
             if self.arrangement == KV_PER_TOKEN:
                 pages = pages.transpose(2, 3)

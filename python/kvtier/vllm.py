@@ -36,7 +36,10 @@ the connector warns about it at start.
   uncoded KV never mix;
 - ``load_async`` (default true): restores run between scheduler steps while
   other requests keep decoding; false restores inside the step that needs
-  them;
+  them, layer by layer (see "Layer pipelining");
+- ``layerwise_load`` (default true): with ``load_async`` false, each layer's
+  attention waits only for that layer (``wait_for_layer_load``); false waits
+  for the whole restore before the step (for comparisons);
 - ``force_staging`` (default false): copy pages through host buffers
   (:mod:`kvtier.staging`) even where the KV cache could be read and written
   in place, so the path an accelerator's KV cache takes runs on a CPU too
@@ -60,14 +63,20 @@ Decisions (where vLLM leaves a choice):
   kills its engine at once on SIGTERM unless started with
   ``--shutdown-timeout N``; a save still being copied then is lost (and
   recomputed next time), never served torn.
-- **Layer pipelining.** Not here. A block is checksummed whole, so a layer
-  cannot be verified before all of its block has landed. kvtier's own
-  engine computes on landed layers anyway and drops that step's work if a
-  block then fails its check (``read_prefix_layered``, docs/store.md). vLLM
-  cannot take a step back once it ran, so this connector hands vLLM only
-  verified blocks, and ``wait_for_layer_load`` has nothing to wait for.
-  Sync loads are waited for in ``start_load_kv``, async loads between
-  steps. Per-layer checksums (a block format version 3) would allow it.
+- **Layer pipelining.** Sync loads (``load_async`` false) are read
+  layer-major and written into vLLM's pages layer by layer as they land
+  (``Namespace.load_pages(layerwise=True)``, the path kvtier's own engine
+  restores by); ``wait_for_layer_load`` waits for that one layer of the
+  step's loads (and, staged, copies it to the device), so layer 0's
+  attention runs while the later layers are still read. A block is
+  verified once all of it has landed, after the forward pass has used it:
+  one that fails is reported in ``get_block_ids_with_load_errors``, and
+  vLLM then drops that step's output for the request and recomputes from
+  the block (``kv_load_failure_policy: "recompute"``; ``"fail"`` fails the
+  request): wrong KV is never served. A step in which vLLM did not wait for
+  every layer reports all its layer-wise blocks failed, since a layer may
+  have been read while it was written. Async loads (the default) are
+  waited for between steps, whole: no step reads their pages before then.
 - **Memory.** The CPU backend's per-layer tensors ``[num_blocks,
   num_kv_heads, block_size, 2 * head_size]`` are read and written in place
   (``Layout.vllm_cpu``). KV caches on an accelerator (or strided ones) are
@@ -183,6 +192,7 @@ def _extra(vllm_config: VllmConfig) -> dict[str, Any]:
         "namespace",
         "fingerprint",
         "load_async",
+        "layerwise_load",
         "kv_offload_codec",
         "force_staging",
     }
@@ -344,6 +354,8 @@ class _Running:
     started: float
     #: Host pages of a staged transfer.
     host: torch.Tensor | None = None
+    #: A load handing each layer over as it lands (a sync load's).
+    layerwise: bool = False
 
 
 def _lookup_address(vllm_config: VllmConfig) -> tuple[str, bytes]:
@@ -461,6 +473,7 @@ class KvtierConnector(KVConnectorBase_V1):
         extra = _extra(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
         self._load_async = bool(extra.get("load_async", True))
+        self._layerwise = not self._load_async and bool(extra.get("layerwise_load", True))
         ktc = vllm_config.kv_transfer_config
         if role == KVConnectorRole.SCHEDULER and getattr(ktc, "kv_load_failure_policy", "") != "recompute":
             logger.warning(
@@ -478,7 +491,11 @@ class KvtierConnector(KVConnectorBase_V1):
         self._ns: Namespace | None = None
         self._server: _LookupServer | None = None
         self._layers: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
         self._staging: PageStaging | None = None
+        #: This step's layer-wise loads, and the layers vLLM waited for.
+        self._stepping: list[_Running] = []
+        self._waited: set[int] = set()
         self._loads: dict[str, _Running] = {}
         self._saves: dict[str, _Running] = {}
         self._finished_seen: set[str] = set()
@@ -602,6 +619,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 )
         arrangement, backend = _page_arrangement(self._vllm_config, names[0], layers[0])
         self._layers = layers
+        self._layer_index = {n: i for i, n in enumerate(names)}
         in_place = arrangement == KV_PER_BLOCK and all(t.device.type == "cpu" and t.is_contiguous() for t in layers)
         extra = _extra(self._vllm_config)
         if not in_place or bool(extra.get("force_staging", False)):
@@ -620,7 +638,7 @@ class KvtierConnector(KVConnectorBase_V1):
             "in place" if self._staging is None else f"staged from {layers[0].device} ({arrangement})",
         )
 
-    def _start(self, job: _Job, save: bool) -> _Running:
+    def _start(self, job: _Job, save: bool, layerwise: bool = False) -> _Running:
         assert self._ns is not None
         now = time.monotonic()
         keys = self._ns.token_keys(job.tokens, salt=job.salt)[job.first :]
@@ -630,34 +648,58 @@ class KvtierConnector(KVConnectorBase_V1):
             if save:
                 t = self._ns.save_pages(keys, self._layers, job.block_ids)
             else:
-                t = self._ns.load_pages(keys, self._layers, job.block_ids)
-            return _Running(job, t, now)
+                t = self._ns.load_pages(keys, self._layers, job.block_ids, layerwise=layerwise)
+            return _Running(job, t, now, layerwise=layerwise)
         host = self._staging.gather(job.block_ids) if save else self._staging.buffer(len(job.block_ids))
         pieces = PageStaging.pieces(host)
-        t = self._ns.save(keys, pieces) if save else self._ns.load(keys, pieces)
-        return _Running(job, t, now, host)
+        t = self._ns.save(keys, pieces) if save else self._ns.load(keys, pieces, layerwise=layerwise)
+        return _Running(job, t, now, host, layerwise)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Starts every load of this step at once; a synchronous load is
-        waited for here (see the module: no layer pipelining)."""
+        """Starts every load of this step at once. Async loads finish
+        between steps; sync loads are either layer-wise (each layer waited
+        for in :meth:`wait_for_layer_load`, see the module) or waited for
+        whole here."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
-        started = [self._start(job, save=False) for job in meta.loads]
+        layerwise = self._layerwise and not meta.load_async
+        started = [self._start(job, save=False, layerwise=layerwise) for job in meta.loads]
         if meta.load_async:
             for r in started:
                 self._loads[r.job.req_id] = r
             return
+        if layerwise:
+            self._stepping.extend(started)
+            return
         for r in started:
             self._finish_load(r)
 
-    def _finish_load(self, r: _Running) -> None:
+    def _finish_stepping(self) -> None:
+        """Ends this step's layer-wise loads (the forward pass is over)."""
+        runs, self._stepping = self._stepping, []
+        waited, self._waited = self._waited, set()
+        if not runs:
+            return
+        unwaited = sorted(set(range(len(self._layers))) - waited)
+        if unwaited:
+            logger.warning(
+                "kvtier: vLLM did not wait for layer(s) %s in this step; its layer-wise restores are "
+                "reported failed and recomputed",
+                unwaited,
+            )
+        for r in runs:
+            self._finish_load(r, trusted=not unwaited)
+
+    def _finish_load(self, r: _Running, trusted: bool = True) -> None:
+        """Counts a finished load's blocks and notes those that failed (all
+        of them unless ``trusted``) for vLLM to recompute."""
         results = r.transfer.wait()
         assert results is not None
-        if r.host is not None and self._staging is not None:
+        if r.host is not None and self._staging is not None and not r.layerwise:
             self._staging.scatter(r.host, r.job.block_ids)
-        failed = [b for b, res in zip(r.job.block_ids, results) if not res.ok]
+        failed = [b for b, res in zip(r.job.block_ids, results) if not (res.ok and trusted)]
         self._load_errors.update(failed)
-        self._stats.loaded(len(results) - len(failed), len(failed), time.monotonic() - r.started)
+        self._stats.loaded(len(results) - len(failed), len(failed), time.monotonic() - r.started, r.layerwise)
         if failed:
             why = {res.status + (f" ({res.reason})" if res.reason else "") for res in results if not res.ok}
             logger.warning(
@@ -669,9 +711,19 @@ class KvtierConnector(KVConnectorBase_V1):
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: loads finish before the step (see the
-        module)."""
-        return
+        """Waits until this layer of every layer-wise load of the step is
+        in vLLM's pages (staged: copied to the device too); returns at once
+        without such loads (see the module's "Layer pipelining")."""
+        if not self._stepping:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for r in self._stepping:
+            r.transfer.wait_layer(layer)  # releases the GIL
+            if r.host is not None and self._staging is not None:
+                self._staging.scatter(r.host, r.job.block_ids, layer=layer)
+        self._waited.add(layer)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -722,7 +774,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (missing,
-        corrupt or unreadable: vLLM recomputes them)."""
+        corrupt or unreadable: vLLM recomputes them); called after the
+        step's forward pass, so this step's layer-wise loads end here."""
+        self._finish_stepping()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -732,6 +786,12 @@ class KvtierConnector(KVConnectorBase_V1):
             return None
         stats, self._stats = self._stats, KvtierConnectorStats()
         return stats
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads wait inside the attention layers, which a
+        captured CUDA graph would skip: vLLM must run those in pieces."""
+        return not bool(extra_config.get("load_async", True)) and bool(extra_config.get("layerwise_load", True))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -752,8 +812,9 @@ class KvtierConnector(KVConnectorBase_V1):
         calls it on a stop it lets finish (``--shutdown-timeout`` above 0);
         one that kills the worker first loses only the saves still being
         copied (see :class:`_Flusher`)."""
-        for r in list(self._loads.values()) + list(self._saves.values()):
+        for r in list(self._loads.values()) + list(self._saves.values()) + self._stepping:
             r.transfer.wait()
+        self._stepping.clear()
         self._loads.clear()
         self._saves.clear()
         if self._flusher is not None:
@@ -809,20 +870,31 @@ class _Flusher:
         self._thread.join(timeout=timeout)
 
 
-_STAT_KEYS = ("blocks_loaded", "blocks_load_failed", "blocks_saved", "blocks_save_failed", "load_s", "save_s")
+_STAT_KEYS = (
+    "blocks_loaded",
+    "blocks_loaded_layerwise",
+    "blocks_load_failed",
+    "blocks_saved",
+    "blocks_save_failed",
+    "load_s",
+    "save_s",
+)
 
 
 @dataclass
 class KvtierConnectorStats(KVConnectorStats):
-    """Per-interval counts: blocks loaded and failed, saved and failed, and
-    the seconds loads and saves took."""
+    """Per-interval counts: blocks loaded (and of those, by layer-wise
+    loads) and failed, saved and failed, and the seconds loads and saves
+    took."""
 
     def __post_init__(self) -> None:
         for k in _STAT_KEYS:
             self.data.setdefault(k, 0)
 
-    def loaded(self, ok: int, failed: int, seconds: float) -> None:
+    def loaded(self, ok: int, failed: int, seconds: float, layerwise: bool = False) -> None:
         self.data["blocks_loaded"] += ok
+        if layerwise:
+            self.data["blocks_loaded_layerwise"] += ok
         self.data["blocks_load_failed"] += failed
         self.data["load_s"] += seconds
 
@@ -848,7 +920,8 @@ class KvtierConnectorStats(KVConnectorStats):
 
 class KvtierPromMetrics(KVConnectorPromMetrics):
     """kvtier's series on vLLM's ``/metrics``:
-    ``vllm:kvtier_blocks_loaded_total``, ``..._load_failed_total``,
+    ``vllm:kvtier_blocks_loaded_total`` (``..._loaded_layerwise_total``
+    of them layer by layer), ``..._load_failed_total``,
     ``..._blocks_saved_total``, ``..._save_failed_total`` and
     ``vllm:kvtier_load_s_total``."""
 
@@ -863,6 +936,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         self._counters: dict[str, dict[int, Any]] = {}
         for key, doc in (
             ("blocks_loaded", "KV blocks restored from kvtier"),
+            ("blocks_loaded_layerwise", "KV blocks restored from kvtier layer by layer, inside the step"),
             ("blocks_load_failed", "KV blocks kvtier could not restore (missing or corrupt; recomputed)"),
             ("blocks_saved", "KV blocks saved to kvtier"),
             ("blocks_save_failed", "KV blocks kvtier failed to save"),

@@ -79,20 +79,26 @@ def test_staged_pages_are_stored_in_the_cpu_backends_form(
         for got, want in zip([1, 3, 4, 6], saved_ids):
             assert torch.equal(t_cpu[got], cpu_page(t_src, want, arrangement))
 
-    # Loaded back through staging into fresh tensors of the same kind, at
-    # other blocks: those blocks equal the sources, every other block is
-    # untouched.
+    # Loaded back layer by layer through staging into fresh tensors of the
+    # same kind, at other blocks (as vLLM's connector does inside a step):
+    # each layer's blocks equal the sources once that layer is scattered,
+    # the later layers and every other block are untouched.
     dst = kv_cache(device, dtype, seed=2, strided=True)
     before = [t.clone() for t in dst]
     back = PageStaging(dst, arrangement)
     host = back.buffer(4)
-    assert all(r.ok for r in results(ns.load(keys(4), PageStaging.pieces(host))))
-    back.scatter(host, [9, 8, 3, 1])
-    if device == "cuda":
-        torch.cuda.synchronize()
-    for t_src, t_dst, t_before in zip(src, dst, before):
+    loading = ns.load(keys(4), PageStaging.pieces(host), layerwise=True)
+    for l in range(LAYERS):
+        assert loading.wait_layer(l, timeout=60)
+        back.scatter(host, [9, 8, 3, 1], layer=l)
+        if device == "cuda":
+            torch.cuda.synchronize()
         for got, want in zip([9, 8, 3, 1], saved_ids):
-            assert torch.equal(t_dst[got], t_src[want])
+            assert torch.equal(dst[l][got], src[l][want])
+        for later in range(l + 1, LAYERS):
+            assert torch.equal(dst[later], before[later])
+    assert all(r.ok for r in results(loading))
+    for t_dst, t_before in zip(dst, before):
         for b in {0, 2, 4, 5, 6, 7}:
             assert torch.equal(t_dst[b], t_before[b])
 
@@ -133,3 +139,5 @@ def test_bad_tensors_are_refused() -> None:
     s = PageStaging([a, a.clone()], KV_PER_TOKEN)
     with pytest.raises(ValueError, match="host pages of shape"):
         s.scatter(s.buffer(3), [0, 1])
+    with pytest.raises(ValueError, match="no layer 2 of 2"):
+        s.scatter(s.buffer(2), [0, 1], layer=2)

@@ -3,7 +3,9 @@ restart, a shared G4 between two vLLM processes, a corrupt block, cache
 salts, and kill -9 while saving. Each check compares greedy output with a
 vLLM that runs without any connector. The two G4 nodes copy their pages
 through host buffers (``force_staging``), the path a GPU worker's KV
-cache takes; the others copy in place.
+cache takes; the others copy in place. The restarted server (S2, with the
+corrupt block) and the second G4 node (S5) restore inside the step, layer
+by layer (``load_async`` false); S3 restores between steps (the default).
 
 The servers run once, in :func:`scenario` (six vLLM starts, about 30 s
 each); each test asserts one check on what it observed. Timings are
@@ -145,7 +147,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -
     obs.clean_stop = _log_lines(logs / "s1.log", "kvtier: stopped; every saved block is in G3")
     obs.corrupted = _corrupt(x, model, tokens_c, CORRUPT_BLOCK, logs / "s1.log")
     # S2: restarted on the same cache.
-    s2 = VllmServer(model, logs / "s2.log", kvtier(x))
+    s2 = VllmServer(model, logs / "s2.log", kvtier(x, load_async=False))
     try:
         s2.complete(WARMUP)
         _observe(obs, s2, "A restored", PROMPTS["A"])
@@ -173,7 +175,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -
             while _redis_keys(redis.port) < blocks_e and time.monotonic() < deadline:
                 time.sleep(0.2)
             obs.g4_keys = _redis_keys(redis.port)
-            with VllmServer(model, logs / "s5.log", kvtier(z, remote=redis.url, force_staging=True)) as s5:
+            with VllmServer(model, logs / "s5.log", kvtier(z, remote=redis.url, force_staging=True, load_async=False)) as s5:
                 s5.complete(WARMUP)
                 _observe(obs, s5, "E node 2", PROMPTS["E"])
     for name in ("s1", "s4", "s5"):
@@ -203,6 +205,11 @@ def test_restart_restores_the_prefix(scenario: Observed, record: dict[str, Any])
     expected = (scenario.replies["A fresh"].prompt_tokens - 1) // 128 * 128
     assert hits == expected
     assert scenario.deltas["A restored"].get("vllm:kvtier_blocks_loaded_total", 0) == expected // 128
+    # Restored inside the step, each layer's attention waiting for that
+    # layer only: had vLLM not waited for every layer, the blocks would
+    # have been reported failed and recomputed.
+    assert scenario.deltas["A restored"].get("vllm:kvtier_blocks_loaded_layerwise_total", 0) == expected // 128
+    assert scenario.deltas["A restored"].get("vllm:kvtier_blocks_load_failed_total", 0) == 0
     assert ext_hits(scenario, "A fresh") == 0
     assert scenario.replies["A restored"].text == scenario.reference["A"]
     assert scenario.replies["A fresh"].text == scenario.reference["A"]
@@ -219,6 +226,10 @@ def test_second_node_restores_from_the_shared_g4(scenario: Observed) -> None:
     assert scenario.g4_keys >= (scenario.replies["E node 1"].prompt_tokens - 1) // 128
     assert ext_hits(scenario, "E node 1") == 0
     assert ext_hits(scenario, "E node 2") > 0
+    # Layer by layer: each layer's pages scattered to the device when its
+    # attention asked for them.
+    blocks = ext_hits(scenario, "E node 2") // 128
+    assert scenario.deltas["E node 2"].get("vllm:kvtier_blocks_loaded_layerwise_total", 0) == blocks
     assert scenario.replies["E node 2"].text == scenario.reference["E"]
     assert scenario.replies["E node 1"].text == scenario.reference["E"]
 
@@ -228,6 +239,10 @@ def test_a_corrupt_block_is_recomputed(scenario: Observed) -> None:
     assert d.get("vllm:kvtier_blocks_load_failed_total", 0) == 1
     # The blocks before the corrupt one were restored.
     assert d.get("vllm:kvtier_blocks_loaded_total", 0) >= CORRUPT_BLOCK
+    # Layer by layer: the corrupt block's pages were written and used by
+    # the step before its check failed; vLLM dropped that step's output and
+    # recomputed from the block, so the reply is still the reference.
+    assert d.get("vllm:kvtier_blocks_loaded_layerwise_total", 0) == d.get("vllm:kvtier_blocks_loaded_total", 0)
     assert scenario.replies["C corrupt"].text == scenario.reference["C"]
 
 
@@ -263,6 +278,10 @@ def test_kill_9_while_saving_keeps_outputs_identical(scenario: Observed) -> None
     # before, and B with salt s2, computed and saved by the killed server
     # (written on to G3 once saved, no stop needed).
     assert ext_hits(scenario, "A after kill") > 0
+    # Restored between steps (the default), whole.
+    after = scenario.deltas["A after kill"]
+    assert after.get("vllm:kvtier_blocks_loaded_total", 0) > 0
+    assert after.get("vllm:kvtier_blocks_loaded_layerwise_total", 0) == 0
     assert scenario.replies["A after kill"].text == scenario.reference["A"]
     assert ext_hits(scenario, "B s2 after kill") > 0
     assert scenario.replies["B s2 after kill"].text == scenario.reference["B"]
