@@ -15,7 +15,12 @@ concurrency), on a vLLM started for the measurement:
   restoring from G3 after the restart;
 - ``local`` (not in the default ``--modes``): the floor, vLLM alone with
   every session already in its own prefix cache (no restart), so only
-  the uncached tail of each prompt is computed.
+  the uncached tail of each prompt is computed;
+- ``kvtier-sync`` and ``kvtier-layerwise`` (not in the default
+  ``--modes``): kvtier restoring inside the step that needs the KV
+  (``load_async`` false), whole before the forward pass, or layer by layer
+  with each layer's attention waiting for that layer only. The kvtier
+  modes of one run share one fill.
 
 The page cache is dropped before each measured server starts (when this
 process may), so both connectors read from the device, as after a node's
@@ -43,6 +48,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testing"))
 
 from make_model import SIZES, make, text  # noqa: E402
 from vllm_server import Reply, VllmServer, example_transfer_config, kvtier_transfer_config  # noqa: E402
+
+#: The kvtier modes: connector settings of each (``--kvtier-config`` is
+#: merged over them).
+KVTIER_MODES: dict[str, dict[str, Any]] = {
+    "kvtier": {},
+    "kvtier-sync": {"load_async": False, "layerwise_load": False},
+    "kvtier-layerwise": {"load_async": False},
+}
 
 IDLE_WATTS = 40.0
 WATTS_PER_BUSY_CORE = 10.0
@@ -174,6 +187,7 @@ def main() -> int:
     results: list[Result] = []
     outputs: dict[str, list[str]] = {}
     dropped = True
+    filled_kvtier = False
 
     def log(msg: str) -> None:
         print(f"[bench-vllm] {msg}", file=sys.stderr, flush=True)
@@ -184,9 +198,14 @@ def main() -> int:
             cfg = None
         elif mode == "example":
             cfg = example_transfer_config(str(work / "example-cache"))
-        elif mode == "kvtier":
+        elif mode in KVTIER_MODES:
             cfg = kvtier_transfer_config(
-                {"cache_dir": str(work / "kvtier-cache"), "g3_bytes": 16 << 30, **json.loads(a.kvtier_config)}
+                {
+                    "cache_dir": str(work / "kvtier-cache"),
+                    "g3_bytes": 16 << 30,
+                    **KVTIER_MODES[mode],
+                    **json.loads(a.kvtier_config),
+                }
             )
         else:
             raise SystemExit(f"unknown mode {mode!r}")
@@ -197,7 +216,8 @@ def main() -> int:
         # shape [1920, 2, 128]" at concurrency 4); without prefix caching
         # it loads each whole prompt from its file.
         args = ["--no-enable-prefix-caching"] if mode == "example" and not a.example_prefix_caching else []
-        if cfg is not None:
+        if cfg is not None and not (mode in KVTIER_MODES and filled_kvtier):
+            filled_kvtier = filled_kvtier or mode in KVTIER_MODES
             log(f"{mode}: filling ({len(all_prompts)} sessions)")
             with VllmServer(str(model), logs / f"{mode}-fill.log", cfg, kv_space_gb=kv_space, extra_args=args) as s:
                 # One at a time: ExampleConnector saves a prompt whose
@@ -271,6 +291,10 @@ def main() -> int:
                 parts.append(f"example/kvtier x{ex.ttft_p50_s / k.ttft_p50_s:.2f}")
             parts.append(f"throughput kvtier/recompute x{k.throughput_tok_s / rc.throughput_tok_s:.2f}")
             lines.append(", ".join(parts))
+    for c in levels:
+        sync, lw = get("kvtier-sync", c), get("kvtier-layerwise", c)
+        if sync and lw:
+            lines.append(f"concurrency {c}: TTFT p50 kvtier-sync/kvtier-layerwise x{sync.ttft_p50_s / lw.ttft_p50_s:.3f}")
     lines.append(f"identical outputs: {identical}")
     for g in gates:
         lines.append(f"gate {'PASS' if g['passed'] else 'FAIL'}: {g['name']} ({g['value']})")
