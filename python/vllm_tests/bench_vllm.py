@@ -160,7 +160,8 @@ def main() -> int:
     ap.add_argument("--history-words", type=int, default=900)
     ap.add_argument("--question-words", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--modes", default="recompute,example,kvtier")
+    ap.add_argument("--modes", default="recompute,example,kvtier",
+                    help="comma-separated: recompute, example, kvtier, kvtier-sync, kvtier-layerwise, local")
     ap.add_argument("--work-dir", type=Path, default=None, help="where the model and caches go (default: a temp dir)")
     ap.add_argument("--kvtier-config", default="{}",
                     help="JSON merged into the connector's kv_connector_extra_config, e.g. '{\"load_async\": false}'")
