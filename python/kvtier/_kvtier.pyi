@@ -192,6 +192,7 @@ class Store:
         fingerprint: bytes | str,
         salt: bytes = b"",
         name: str | None = None,
+        warm_read_buffers: bool = False,
     ) -> Namespace: ...
     @property
     def cache_dir(self) -> str: ...

@@ -40,6 +40,11 @@ the connector warns about it at start.
 - ``layerwise_load`` (default true): with ``load_async`` false, each layer's
   attention waits only for that layer (``wait_for_layer_load``); false waits
   for the whole restore before the step (for comparisons);
+- ``warm_read_buffers`` (default true): at start, a background thread
+  faults in the buffers restores read into (as many blocks as
+  ``g2_bytes`` holds), so a restore does not fault fresh memory in while
+  it reads (inside vLLM's worker that made a 7-block restore several times
+  slower); it commits the G2 budget's memory at start;
 - ``force_staging`` (default false): copy pages through host buffers
   (:mod:`kvtier.staging`) even where the KV cache could be read and written
   in place, so the path an accelerator's KV cache takes runs on a CPU too
@@ -195,6 +200,7 @@ def _extra(vllm_config: VllmConfig) -> dict[str, Any]:
         "layerwise_load",
         "kv_offload_codec",
         "force_staging",
+        "warm_read_buffers",
     }
     unknown = set(extra) - known
     if unknown:
@@ -274,13 +280,20 @@ def _store(extra: dict[str, Any]) -> Store:
         return store
 
 
-def connector_namespace(vllm_config: VllmConfig, rank: int = 0) -> Namespace:
+def connector_namespace(vllm_config: VllmConfig, rank: int = 0, warm: bool = False) -> Namespace:
     """The store namespace :class:`KvtierConnector` uses for ``rank`` (to
-    inspect or prepare a cache from outside vLLM)."""
+    inspect or prepare a cache from outside vLLM); ``warm``: fault in its
+    read buffers at open (``Store.namespace(warm_read_buffers=True)``), as
+    the worker does unless ``warm_read_buffers`` is false."""
     extra = _extra(vllm_config)
     layout = _layout(vllm_config, rank, str(extra.get("kv_offload_codec", "none")))
     fingerprint = str(extra.get("fingerprint") or _fingerprint(vllm_config))
-    return _store(extra).namespace(layout, fingerprint=fingerprint, name=extra.get("namespace"))
+    return _store(extra).namespace(
+        layout,
+        fingerprint=fingerprint,
+        name=extra.get("namespace"),
+        warm_read_buffers=warm and bool(extra.get("warm_read_buffers", True)),
+    )
 
 
 def _page_arrangement(vllm_config: VllmConfig, layer: str, t: torch.Tensor) -> tuple[str, str]:
@@ -604,7 +617,7 @@ class KvtierConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank()
         except (AssertionError, RuntimeError):
             rank = 0
-        self._ns = connector_namespace(self._vllm_config, rank)
+        self._ns = connector_namespace(self._vllm_config, rank, warm=True)
         layout = self._ns.layout
         names = sorted(kv_caches, key=extract_layer_index)
         layers = [kv_caches[n] for n in names]

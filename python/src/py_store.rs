@@ -618,8 +618,11 @@ impl Store {
     /// same object again after). `fingerprint` names the model (bytes or
     /// str, hashed: KV of another fingerprint never matches); `salt`
     /// separates tenants; `name` is its directory under `cache_dir`
-    /// (default: derived from the fingerprint and layout).
-    #[pyo3(signature = (layout, fingerprint, salt = b"".as_slice(), name = None))]
+    /// (default: derived from the fingerprint and layout);
+    /// `warm_read_buffers`: fault in, on a background thread, the buffers
+    /// its reads will take (as many as the G2 budget holds), so a restore
+    /// does not fault fresh memory in (commits the G2 budget at open).
+    #[pyo3(signature = (layout, fingerprint, salt = b"".as_slice(), name = None, warm_read_buffers = false))]
     fn namespace(
         &self,
         py: Python<'_>,
@@ -627,6 +630,7 @@ impl Store {
         fingerprint: &Bound<'_, PyAny>,
         salt: &[u8],
         name: Option<String>,
+        warm_read_buffers: bool,
     ) -> PyResult<Py<Namespace>> {
         let fp_bytes: Vec<u8> = match fingerprint.extract::<String>() {
             Ok(s) => s.into_bytes(),
@@ -677,6 +681,7 @@ impl Store {
         ));
         config.remote = self.remote.as_ref().map(RemoteConfig::new);
         config.g3_sync = self.g3_sync;
+        config.warm_read_buffers = warm_read_buffers;
         // Opened with the GIL held: the namespace lock is held too, and a
         // thread waiting for that lock holds the GIL (releasing it here
         // could deadlock the two).

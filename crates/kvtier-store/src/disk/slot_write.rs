@@ -126,11 +126,18 @@ impl DiskTier {
         self.journal(&freed);
     }
 
-    /// Drops `key` from the index (its slot becomes free once unpinned).
+    /// Drops `key` from the index and wipes its slot's header once no read
+    /// holds it (the wipe is journaled), so the block does not come back at
+    /// the next open: for blocks refused after they were read whole.
     pub fn remove(&self, key: &BlockKey) -> bool {
+        let mut wipe = Vec::new();
         let mut slots = self.slots.lock();
-        let removed = slots.remove(key);
+        let removed = slots.remove(key, &mut wipe);
         self.set_occupancy(&slots);
+        drop(slots);
+        if !wipe.is_empty() {
+            self.wipe(&wipe);
+        }
         removed
     }
 

@@ -242,16 +242,18 @@ impl SlotTable {
         dropped
     }
 
-    /// Drops `key` from the index; its slot is free once unpinned.
-    pub(super) fn remove(&mut self, key: &BlockKey) -> bool {
+    /// Drops `key` from the index; its slot is wiped once unpinned: now
+    /// (pushed to `wipe`, reserved for it) if no read holds it, else by the
+    /// last [`unpin`](Self::unpin).
+    pub(super) fn remove(&mut self, key: &BlockKey, wipe: &mut Vec<u32>) -> bool {
         let Some(slot) = self.index.remove(key) else {
             return false;
         };
         self.valid -= 1;
         let s = &mut self.slots[slot as usize];
         if s.pins == 0 {
-            s.state = SlotState::Free;
-            self.free.push(slot);
+            s.state = SlotState::Writing;
+            wipe.push(slot);
         } else {
             s.state = SlotState::Dead;
         }
