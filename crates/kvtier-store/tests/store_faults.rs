@@ -307,6 +307,40 @@ impl Drop for TmpfsMount {
 }
 
 #[test]
+fn a_removed_block_does_not_come_back_at_the_next_open() {
+    // `DiskTier::remove` is for blocks refused after a whole read (rows
+    // other than asked for): their headers are wiped, so neither the saved
+    // index nor a scan of every slot's header finds them again.
+    let dir = tempfile::tempdir().unwrap();
+    let dc = disk_config(dir.path(), 16, 8);
+    let ks = keys(0..4);
+    {
+        let (tier, _) = open_disk(dc.clone());
+        for k in &ks {
+            tier.put_many(&[(*k, encoded(k))]).remove(0).unwrap();
+        }
+        assert!(tier.remove(&ks[1]));
+        assert!(!tier.remove(&ks[1]), "removed once");
+        tier.sync().unwrap();
+    }
+    for scan in [false, true] {
+        if scan {
+            std::fs::remove_file(slot_dir(dir.path()).join("index.kvti")).unwrap();
+        }
+        let (tier, _) = open_disk(dc.clone());
+        assert_eq!(
+            matches!(tier.recovery(), kvtier_store::Recovery::Scanned { .. }),
+            scan
+        );
+        assert!(
+            !tier.contains(&ks[1]),
+            "a removed block came back (scan: {scan})"
+        );
+        check_all(&tier, &[ks[0], ks[2], ks[3]]);
+    }
+}
+
+#[test]
 fn a_full_device_fails_puts_cleanly_and_damages_nothing() {
     let mnt = TmpfsMount::new("1m");
     // A 256 KiB filler that is deleted later to make room again.
