@@ -203,6 +203,51 @@ def test_a_layerwise_load_has_each_layer_in_when_wait_layer_says_so(tmp_path: Pa
         assert torch.equal(back[l][:4], whole[l][:4]) and torch.equal(back[l][5:10], whole[l][5:10])
 
 
+def test_warm_read_buffers_commit_the_g2_budget_at_open_and_reads_still_work(tmp_path: Path) -> None:
+    # In a fresh process each: the resident memory a namespace adds within
+    # a few seconds of its open, with and without warming.
+    script = textwrap.dedent(
+        """
+        import sys, time, torch
+        from kvtier import Layout, Store
+        def rss():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        warm = sys.argv[2] == "1"
+        layout = Layout.vllm_cpu(2, 2, 64, block_tokens=16)
+        store = Store(sys.argv[1], g2_bytes=96 << 20, g3_bytes=64 << 20)
+        before = rss()
+        ns = store.namespace(layout, fingerprint="w", warm_read_buffers=warm)
+        deadline = time.monotonic() + (20 if warm else 2)
+        while time.monotonic() < deadline and rss() - before < (64 << 20):
+            time.sleep(0.1)
+        grown = rss() - before
+        kv = [torch.randn(4, 2, 16, 128) for _ in range(2)]
+        keys = [bytes([i]) * 16 for i in range(4)]
+        assert all(r == "stored" for r in ns.save_pages(keys, kv, range(4)).wait())
+        ns.evict_memory()
+        back = [torch.zeros_like(t) for t in kv]
+        assert all(r.tier == "g3" for r in ns.load_pages(keys, back, range(4)).wait())
+        assert all(torch.equal(a, b) for a, b in zip(kv, back))
+        print(grown)
+        """
+    )
+    grown = {}
+    for warm in ("1", "0"):
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / f"w{warm}"), warm],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        grown[warm] = int(out.stdout.strip())
+    # Warmed: most of the 96 MiB budget's blocks faulted in; cold: none.
+    assert grown["1"] >= 64 << 20, grown
+    assert grown["0"] < 16 << 20, grown
+
+
 def test_a_restarted_process_finds_the_blocks(tmp_path: Path) -> None:
     layout = Layout.vllm_cpu(2, 1, 64, block_tokens=16)
     src = pages(layout, 8, 7, "f32")
