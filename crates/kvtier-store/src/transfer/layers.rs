@@ -17,17 +17,18 @@
 //!
 //! A layer of a block counts as in once it has been decoded into the
 //! caller's memory, or once the block's chunk is done (nothing more will
-//! land for it: a miss, a failed read). Cancelling stops the chunks that
-//! have not started; a started chunk's blocks report what happened to them.
+//! land for it: a miss, a failed read). After a cancel, a block of which no
+//! layer was written reports `cancelled`; the others report what happened
+//! to them.
 
 use std::ops::Range;
 
-use super::{BlockRegions, BlockResult, Shared, Transfer, Work, layer_span};
+use super::{BlockRegions, Shared, Transfer, Work, layer_span};
 use crate::codec::CodecError;
 use crate::key::BlockKey;
 use crate::kv_layout::KvLayout;
 use crate::metrics::Tier;
-use crate::store::{Found, LayerSink, StoreError, TieredStore};
+use crate::store::{LayerSink, StoreError, TieredStore};
 
 /// Which layers of which blocks of a layer-wise load are in.
 pub(super) struct LayerProgress {
@@ -92,7 +93,7 @@ impl LayerProgress {
     }
 
     /// The layers of `block` not in the caller's memory yet.
-    fn missing(&self, block: usize) -> Vec<u32> {
+    pub(super) fn missing(&self, block: usize) -> Vec<u32> {
         (0..self.layers)
             .filter(|&l| {
                 !self
@@ -108,7 +109,7 @@ impl LayerProgress {
 
 /// Decodes the layers handed over for one chunk's blocks into the caller's
 /// memory and records them as in.
-struct IntoRegions<'a> {
+pub(super) struct IntoRegions<'a> {
     layout: KvLayout,
     /// The chunk's first block in the transfer.
     first: usize,
@@ -124,6 +125,23 @@ struct IntoRegions<'a> {
 unsafe impl Sync for IntoRegions<'_> {}
 // SAFETY: as for `Sync`: the sink is only used within the chunk's read.
 unsafe impl Send for IntoRegions<'_> {}
+
+impl<'a> IntoRegions<'a> {
+    /// The sink of the chunk whose first block is `first` in the transfer.
+    pub(super) fn new(
+        layout: KvLayout,
+        first: usize,
+        dests: &'a [BlockRegions],
+        shared: &'a Shared,
+    ) -> Self {
+        Self {
+            layout,
+            first,
+            dests,
+            shared,
+        }
+    }
+}
 
 impl LayerSink for IntoRegions<'_> {
     fn layers(&self, index: usize, layers: Range<u32>, stored: &[u8]) {
@@ -160,50 +178,11 @@ impl TieredStore {
     ) -> Result<Transfer, StoreError> {
         self.transfer(keys, dests, notify, Work::LoadLayers)
     }
-
-    /// One chunk of a layer-wise load: its blocks from `first` on in the
-    /// transfer.
-    pub(super) fn load_layers_chunk(
-        &self,
-        first: usize,
-        keys: &[BlockKey],
-        dests: &[BlockRegions],
-        shared: &Shared,
-    ) -> Vec<BlockResult> {
-        let layout = self.layout();
-        let sink = IntoRegions {
-            layout,
-            first,
-            dests,
-            shared,
-        };
-        let found = self.fetch_to(keys, false, Some(&sink), None);
-        found
-            .into_iter()
-            .zip(dests)
-            .enumerate()
-            .map(|(i, (found, dest))| match found {
-                Found::Hit(block) => {
-                    let missing = match &shared.state.lock().layers {
-                        Some(p) => p.missing(first + i),
-                        None => Vec::new(),
-                    };
-                    match fill_missing(&layout, dest, &missing, block.payload()) {
-                        Ok(()) => BlockResult::Hit(block.tier),
-                        Err(e) => BlockResult::Error(e.to_string()),
-                    }
-                }
-                Found::Miss => BlockResult::Miss,
-                Found::Corrupt(why) => BlockResult::Corrupt(why),
-                Found::Failed(why) => BlockResult::Error(why),
-            })
-            .collect()
-    }
 }
 
 /// Decodes the layers `missing` of a verified block's stored payload into
 /// `dest`: the layers no hand-over brought (whole, if none did).
-fn fill_missing(
+pub(super) fn fill_missing(
     layout: &KvLayout,
     dest: &BlockRegions,
     missing: &[u32],

@@ -17,7 +17,8 @@
 //!   reported as misses.
 //! * **Cancel** ([`Transfer::cancel`]): blocks not yet copied are left
 //!   alone and report [`BlockResult::Cancelled`]; every block that reports
-//!   anything else was copied whole (or, for a miss, not touched).
+//!   anything else was copied whole (or, for a miss, not touched; a
+//!   layer-wise load may have written a block that then failed its check).
 //!   Dropping a transfer cancels it and waits for the block being copied,
 //!   so the caller's memory is never written after the handle is gone.
 //! * **Layer by layer** ([`TieredStore::load_layers`], `layers.rs`): each
@@ -77,7 +78,8 @@ pub enum BlockResult {
     /// Loaded: no tier holds it; the caller's memory was not touched.
     Miss,
     /// Loaded: a tier held it but it failed verification (so it was
-    /// deleted there and not copied); why.
+    /// deleted there and not copied, though a layer-wise load may have
+    /// written layers of it as they landed); why.
     Corrupt(String),
     /// The read or the save failed (an I/O error, G4 unreachable, no
     /// memory for the block); why. The caller's memory was not touched.
@@ -125,7 +127,8 @@ pub struct BlockRegions {
 
 // SAFETY: the memory is the caller's, which promised (in `from_raw`) that
 // it stays valid and unused by others until the transfer finishes; the
-// pointers are only dereferenced by the one store thread running the block.
+// pointers are only dereferenced by the store threads running the block's
+// chunk, never two of them on the same bytes.
 unsafe impl Send for BlockRegions {}
 
 impl BlockRegions {
@@ -521,10 +524,13 @@ impl TieredStore {
                 } else {
                     match work {
                         Work::Save => store.save_chunk(&chunk_keys, &chunk_regions, &shared),
-                        Work::Load => store.load_chunk(&chunk_keys, &chunk_regions, &shared),
-                        Work::LoadLayers => {
-                            store.load_layers_chunk(first, &chunk_keys, &chunk_regions, &shared)
-                        }
+                        Work::Load | Work::LoadLayers => store.load_chunk(
+                            first,
+                            &chunk_keys,
+                            &chunk_regions,
+                            &shared,
+                            work == Work::LoadLayers,
+                        ),
                     }
                 };
                 // Let go of the store before the caller can be told: one
@@ -546,26 +552,47 @@ impl TieredStore {
         Ok(transfer)
     }
 
+    /// One chunk of a load: its blocks from `first` on in the transfer,
+    /// `layerwise` handing each layer to the caller's memory as it lands
+    /// (`layers.rs`); a hit is then decoded for the layers no hand-over
+    /// brought (all of them for a plain load).
     fn load_chunk(
         &self,
+        first: usize,
         keys: &[BlockKey],
         dests: &[BlockRegions],
         shared: &Shared,
+        layerwise: bool,
     ) -> Vec<BlockResult> {
         use crate::store::Found;
         let layout = self.layout();
-        self.fetch(keys, false)
+        let sink = layerwise.then(|| layers::IntoRegions::new(layout, first, dests, shared));
+        let sink = sink.as_ref().map(|s| s as &dyn crate::store::LayerSink);
+        let all: Vec<u32> = (0..layout.layers).collect();
+        self.fetch_to(keys, false, sink, None)
             .into_iter()
             .zip(dests)
-            .map(|(found, dest)| match found {
-                _ if shared.is_cancelled() => BlockResult::Cancelled,
-                Found::Hit(block) => match dest.fill_from(&layout, block.payload()) {
-                    Ok(()) => BlockResult::Hit(block.tier),
-                    Err(e) => BlockResult::Error(e.to_string()),
-                },
-                Found::Miss => BlockResult::Miss,
-                Found::Corrupt(why) => BlockResult::Corrupt(why),
-                Found::Failed(why) => BlockResult::Error(why),
+            .enumerate()
+            .map(|(i, (found, dest))| {
+                let missing = match &shared.state.lock().layers {
+                    Some(p) => p.missing(first + i),
+                    None => all.clone(),
+                };
+                match found {
+                    // Nothing of it written: left alone.
+                    _ if shared.is_cancelled() && missing.len() == all.len() => {
+                        BlockResult::Cancelled
+                    }
+                    Found::Hit(block) => {
+                        match layers::fill_missing(&layout, dest, &missing, block.payload()) {
+                            Ok(()) => BlockResult::Hit(block.tier),
+                            Err(e) => BlockResult::Error(e.to_string()),
+                        }
+                    }
+                    Found::Miss => BlockResult::Miss,
+                    Found::Corrupt(why) => BlockResult::Corrupt(why),
+                    Found::Failed(why) => BlockResult::Error(why),
+                }
             })
             .collect()
     }
