@@ -36,7 +36,10 @@ the connector warns about it at start.
   uncoded KV never mix;
 - ``load_async`` (default true): restores run between scheduler steps while
   other requests keep decoding; false restores inside the step that needs
-  them, layer by layer (see "Layer pipelining");
+  them, layer by layer (see "Layer pipelining"): a lower TTFT when few
+  requests run (measured: docs/benchmarks.md), but a slow read (a remote
+  pool's) then holds up that step for every request in it, which the
+  default never does;
 - ``layerwise_load`` (default true): with ``load_async`` false, each layer's
   attention waits only for that layer (``wait_for_layer_load``); false waits
   for the whole restore before the step (for comparisons);
