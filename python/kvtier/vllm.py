@@ -920,7 +920,9 @@ class KvtierConnectorStats(KVConnectorStats):
         self.data["save_s"] += seconds
 
     def reset(self) -> None:
-        self.data = {k: 0 for k in _STAT_KEYS}
+        # Counts and seconds (floats) side by side.
+        fresh: dict[str, Any] = {k: 0 for k in _STAT_KEYS}
+        self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k in _STAT_KEYS:
