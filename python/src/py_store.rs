@@ -375,13 +375,14 @@ fn store_error(e: impl std::fmt::Display) -> PyErr {
     Python::attach(|py| ErrorInfo::new(Kind::Store, e.to_string()).into_py_err(py))
 }
 
-/// What a `Namespace::start` does.
-enum Work {
-    Load,
-    /// A load handing each layer over as it lands (`Transfer.wait_layer`).
-    LoadLayers,
-    Save,
-}
+/// One of `TieredStore::load`, `load_layers` and `save`, as
+/// `Namespace::start` runs it.
+type StartFn = fn(
+    &TieredStore,
+    Vec<kvtier_store::BlockKey>,
+    Vec<BlockRegions>,
+    Option<Box<dyn FnOnce() + Send>>,
+) -> Result<kvtier_store::Transfer, kvtier_store::StoreError>;
 
 /// One model's (or layout's, or rank's) part of a store.
 #[pyclass(frozen, module = "kvtier._kvtier")]
@@ -405,7 +406,7 @@ impl Namespace {
         keys: Vec<kvtier_store::BlockKey>,
         pieces: Vec<Vec<(u64, usize, usize)>>,
         keep: Py<PyAny>,
-        work: Work,
+        run: StartFn,
     ) -> PyResult<Transfer> {
         let mut regions = Vec::with_capacity(pieces.len());
         for block in &pieces {
@@ -420,12 +421,7 @@ impl Namespace {
             regions
                 .push(unsafe { BlockRegions::from_raw(&self.layout, &raw) }.map_err(store_error)?);
         }
-        let t = match work {
-            Work::Save => self.store.save(keys, regions, None),
-            Work::Load => self.store.load(keys, regions, None),
-            Work::LoadLayers => self.store.load_layers(keys, regions, None),
-        }
-        .map_err(store_error)?;
+        let t = run(&self.store, keys, regions, None).map_err(store_error)?;
         Ok(Transfer {
             inner: Some(t),
             keep: Some(keep),
@@ -496,12 +492,12 @@ impl Namespace {
         keep: Py<PyAny>,
         layerwise: bool,
     ) -> PyResult<Transfer> {
-        let work = if layerwise {
-            Work::LoadLayers
+        let run: StartFn = if layerwise {
+            TieredStore::load_layers
         } else {
-            Work::Load
+            TieredStore::load
         };
-        self.start(self.store_keys(&hashes), pieces, keep, work)
+        self.start(self.store_keys(&hashes), pieces, keep, run)
     }
 
     /// Starts saving blocks from memory named by `pieces` (as `_load`).
@@ -511,7 +507,7 @@ impl Namespace {
         pieces: Vec<Vec<(u64, usize, usize)>>,
         keep: Py<PyAny>,
     ) -> PyResult<Transfer> {
-        self.start(self.store_keys(&hashes), pieces, keep, Work::Save)
+        self.start(self.store_keys(&hashes), pieces, keep, TieredStore::save)
     }
 
     /// Writes every block not yet on disk and syncs (without the GIL).

@@ -568,23 +568,27 @@ impl TieredStore {
         let layout = self.layout();
         let sink = layerwise.then(|| layers::IntoRegions::new(layout, first, dests, shared));
         let sink = sink.as_ref().map(|s| s as &dyn crate::store::LayerSink);
-        let all: Vec<u32> = (0..layout.layers).collect();
         self.fetch_to(keys, false, sink, None)
             .into_iter()
             .zip(dests)
             .enumerate()
             .map(|(i, (found, dest))| {
-                let missing = match &shared.state.lock().layers {
-                    Some(p) => p.missing(first + i),
-                    None => all.clone(),
-                };
+                // Layers not written yet; `None`: all of them (a plain load).
+                let missing = sink.and_then(|_| {
+                    let st = shared.state.lock();
+                    st.layers.as_ref().map(|p| p.missing(first + i))
+                });
+                let untouched = missing
+                    .as_ref()
+                    .is_none_or(|m| m.len() == layout.layers as usize);
                 match found {
-                    // Nothing of it written: left alone.
-                    _ if shared.is_cancelled() && missing.len() == all.len() => {
-                        BlockResult::Cancelled
-                    }
+                    _ if shared.is_cancelled() && untouched => BlockResult::Cancelled,
                     Found::Hit(block) => {
-                        match layers::fill_missing(&layout, dest, &missing, block.payload()) {
+                        let filled = match &missing {
+                            Some(m) => layers::fill_missing(&layout, dest, m, block.payload()),
+                            None => dest.fill_from(&layout, block.payload()),
+                        };
+                        match filled {
                             Ok(()) => BlockResult::Hit(block.tier),
                             Err(e) => BlockResult::Error(e.to_string()),
                         }
