@@ -15,6 +15,11 @@ blurs the restored keys or values shows up as changed tokens only if it
 moves attention or the copied value that far.
 
     python scripts/train-copy-model.py DIR [--steps 400] [--period 5] [--seed 0]
+                                           [--arch llama|qwen2|qwen3]
+
+`--arch` picks the family (make_model.py's architectures; a Qwen model
+gets its family's tokenizer and chat template, which the bench's plain
+prompts do not use).
 
 Needs torch, transformers and tokenizers (the test environment has them).
 Prints the training loss and, on held-out sequences, how often the
@@ -29,10 +34,15 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python" / "testing"))
 from make_model import make  # noqa: E402
+
+
+#: The tokenizer style of each family (make_model.py's `chat`; None is its
+#: plain Llama tokenizer, the one trained before `--arch` existed).
+CHAT: dict[str, str | None] = {"llama": None, "qwen2": "qwen2", "qwen3": "chatml"}
 
 
 def batch(gen: torch.Generator, n: int, length: int, period: int, vocab: int) -> torch.Tensor:
@@ -52,12 +62,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--length", type=int, default=256, help="training sequence length")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--arch", choices=sorted(CHAT), default="llama")
     a = ap.parse_args()
     if a.steps < 1 or a.period < 1 or a.length <= a.period or a.batch < 1:
         ap.error("--steps and --batch must be positive, --length above --period >= 1")
 
-    make(a.dir, "tiny", a.seed)
-    model = LlamaForCausalLM.from_pretrained(a.dir, torch_dtype=torch.float32)
+    make(a.dir, "tiny", a.seed, arch=a.arch, chat=CHAT[a.arch])
+    model = AutoModelForCausalLM.from_pretrained(a.dir, torch_dtype=torch.float32)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(a.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)

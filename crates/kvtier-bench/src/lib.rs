@@ -46,6 +46,7 @@ pub mod main_job;
 pub mod model_bench;
 pub mod model_load;
 pub mod model_synth;
+pub mod overlap;
 pub mod plot;
 pub mod progress;
 pub mod report;

@@ -5,6 +5,7 @@ use serde::Serialize;
 
 use crate::accuracy::Accuracy;
 use crate::gates::GateResult;
+pub use crate::overlap::Overlap;
 use crate::report_table::{Cell, Column, Table};
 pub use crate::run_summary::{Mode, Ratio, RequestRecord, RunSummary, TierTokens, ratios};
 
@@ -75,6 +76,10 @@ pub struct BenchReport {
     /// Restored answers against recomputed ones at concurrency 1 (in
     /// process only; [`crate::accuracy`]).
     pub accuracy: Option<Accuracy>,
+    /// The restored TTFT at concurrency 1 against the larger of the
+    /// restore and the suffix's compute ([`crate::overlap`]; in-process or
+    /// an endpoint that says where its hits came from).
+    pub overlap: Option<Overlap>,
 }
 
 /// The columns of the runs table, in the terminal and in Markdown.
@@ -188,8 +193,23 @@ impl BenchReport {
             self.prefill_tok_s,
             self.decode_step_s * 1e3
         ));
+        s.push_str(&self.overlap_line());
         s.push_str(&self.accuracy_line());
         s
+    }
+
+    /// The restored TTFT at concurrency 1 against its two parts, one line.
+    fn overlap_line(&self) -> String {
+        match &self.overlap {
+            Some(o) => format!(
+                "TTFT p50 at concurrency 1: restored {:.1} ms, prefix in G1 {:.1} ms, read at the device limit {:.1} ms; restored / the larger {:.3}\n",
+                o.restored_ttft_p50_s * 1e3,
+                o.hot_ttft_p50_s * 1e3,
+                o.read_floor_s * 1e3,
+                o.ratio
+            ),
+            None => String::new(),
+        }
     }
 
     /// The KV codec, the logical restore rate and the accuracy, one line
@@ -263,7 +283,11 @@ impl BenchReport {
             ));
         }
         s.push('\n');
-        for line in self.accuracy_line().lines() {
+        for line in self
+            .overlap_line()
+            .lines()
+            .chain(self.accuracy_line().lines())
+        {
             s.push_str(&format!("- {line}\n"));
         }
         s
@@ -304,6 +328,7 @@ mod tests {
         assert!(r["restored_bytes"].is_u64());
         assert!(v["kv_offload_codec"].is_string());
         assert!(v["accuracy"].is_null(), "not measured: null");
+        assert!(v["overlap"].is_null(), "not measured: null");
         assert!(v["gates"].is_array());
         assert_eq!(v["energy_meter"], "model (modelled)");
     }

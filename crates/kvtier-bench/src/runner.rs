@@ -19,7 +19,7 @@ use crate::accuracy;
 use crate::bench_error::BenchError;
 use crate::gates::Gates;
 use crate::report::{
-    BenchReport, MachineInfo, Mode, RequestRecord, RunSummary, TierTokens, ratios,
+    BenchReport, MachineInfo, Mode, Overlap, RequestRecord, RunSummary, TierTokens, ratios,
 };
 use crate::stats::{Percentiles, percentile};
 use crate::target::Target;
@@ -255,6 +255,7 @@ pub fn run_cold_recovery(
     sample_limit(&mut limit_samples);
 
     let mut raw: Vec<(Mode, u32, Vec<RequestRecord>, f64, f64)> = Vec::new();
+    let mut hot = None;
     for &c in &cfg.concurrency {
         for mode in [Mode::Baseline, Mode::Kvtier] {
             target.begin(mode, cfg.evict_g2)?;
@@ -270,6 +271,9 @@ pub fn run_cold_recovery(
             let (recs, wall) = run_clients(&*target, &list, c, cfg.max_tokens, &pb);
             let joules = meter.read()?.joules_total();
             pb.finish_and_clear();
+            if mode == Mode::Kvtier && c == 1 {
+                hot = hot_ttft(&*target, &list, cfg.max_tokens, &recs, opts.progress);
+            }
             target.end()?;
             raw.push((mode, c, recs, wall, joules));
             sample_limit(&mut limit_samples);
@@ -292,6 +296,10 @@ pub fn run_cold_recovery(
     };
     let accuracy = match (at_one(Mode::Baseline), at_one(Mode::Kvtier)) {
         (Some(reference), Some(restored)) => accuracy::compare(reference, restored),
+        _ => None,
+    };
+    let overlap = match (hot, at_one(Mode::Kvtier)) {
+        (Some(hot_ttft_s), Some(restored)) => Overlap::of(restored, hot_ttft_s, device_limit_gbps),
         _ => None,
     };
     let results: Vec<RunSummary> = raw
@@ -325,7 +333,39 @@ pub fn run_cold_recovery(
         started_at,
         kv_offload_codec,
         accuracy,
+        overlap,
     })
+}
+
+/// The kvtier run at concurrency 1 once more, at once, so every prefix is
+/// still in G1: the TTFT of the same requests with nothing to restore (the
+/// suffix's compute and each request's own fixed costs). `None` unless
+/// every request found its whole restored prefix in G1 (a pool too small
+/// to keep them, or a target that does not say where its hits came from).
+fn hot_ttft(
+    target: &dyn Target,
+    list: &[Session],
+    max_tokens: usize,
+    restored: &[RequestRecord],
+    progress: bool,
+) -> Option<f64> {
+    let pb = bar(
+        list.len() as u64,
+        "prefix in G1 at concurrency 1".into(),
+        progress,
+    );
+    let (recs, _) = run_clients(target, list, 1, max_tokens, &pb);
+    pb.finish_and_clear();
+    let all_in_g1 = recs.len() == restored.len()
+        && recs.iter().zip(restored).all(|(h, r)| {
+            h.error.is_none() && h.hit_tokens.g1 > 0 && h.hit_tokens.g1 >= r.hit_tokens.total()
+        });
+    if !all_in_g1 {
+        tracing::warn!("TTFT with the prefix in G1 not measured: not every request hit G1");
+        return None;
+    }
+    let ttft: Vec<f64> = recs.iter().map(|r| r.ttft_s).collect();
+    percentile(&ttft, 50.0)
 }
 
 #[cfg(test)]

@@ -103,6 +103,24 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
             }
         }
     }
+    // The same requests sent again found their prefixes in G1, and the
+    // restored TTFT was put against it.
+    let o = report.overlap.expect("TTFT with the prefix in G1 measured");
+    let kvtier_1 = report
+        .results
+        .iter()
+        .find(|r| r.mode == Mode::Kvtier && r.concurrency == 1)
+        .unwrap();
+    assert!(o.hot_ttft_p50_s > 0.0, "{o:?}");
+    assert!(
+        o.read_floor_s > 0.0,
+        "the limit (1 GB/s here) gives a read time: {o:?}"
+    );
+    assert_eq!(o.restored_ttft_p50_s, kvtier_1.ttft_p50_s);
+    assert_eq!(
+        o.ratio,
+        o.restored_ttft_p50_s / o.hot_ttft_p50_s.max(o.read_floor_s)
+    );
     // Restore beat recompute at every concurrency.
     for q in &report.ratios {
         assert!(
