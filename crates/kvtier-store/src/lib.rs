@@ -24,7 +24,6 @@ pub mod kv_layout;
 pub mod memory;
 pub mod metrics;
 pub mod remote;
-mod short_slice;
 pub mod store;
 pub mod transfer;
 pub mod verify;

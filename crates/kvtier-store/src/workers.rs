@@ -9,11 +9,8 @@
 
 use std::sync::Arc;
 use std::sync::mpsc;
-use std::time::Duration;
 
 use parking_lot::Mutex;
-
-use crate::short_slice::ask_for_slice;
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -23,10 +20,8 @@ pub(crate) struct Workers {
 }
 
 impl Workers {
-    /// Starts `n` (at least one) threads named `name`, each asking for
-    /// `slice` as its scheduler slice when given
-    /// ([`crate::short_slice`]).
-    pub(crate) fn spawn(name: &str, n: usize, slice: Option<Duration>) -> std::io::Result<Self> {
+    /// Starts `n` (at least one) threads named `name`.
+    pub(crate) fn spawn(name: &str, n: usize) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..n.max(1) {
@@ -34,12 +29,6 @@ impl Workers {
             std::thread::Builder::new()
                 .name(name.into())
                 .spawn(move || {
-                    if let Some(slice) = slice {
-                        match ask_for_slice(slice) {
-                            Ok(took) => tracing::debug!("scheduler slice {slice:?} taken: {took}"),
-                            Err(e) => tracing::debug!("scheduler slice {slice:?} refused: {e}"),
-                        }
-                    }
                     loop {
                         // The lock is held only to take one job.
                         let job = rx.lock().recv();
@@ -76,7 +65,7 @@ mod tests {
 
     #[test]
     fn jobs_run_on_the_workers_and_a_shut_pool_hands_them_back() {
-        let pool = Workers::spawn("kvtier-test-worker", 2, None).unwrap();
+        let pool = Workers::spawn("kvtier-test-worker", 2).unwrap();
         let (tx, rx) = mpsc::channel();
         for i in 0..10 {
             let tx = tx.clone();

@@ -54,7 +54,6 @@ use crate::kv_layout::KvLayout;
 use crate::memory::{Evicted, MemoryTier, Owner};
 use crate::metrics::{StoreMetrics, Tier};
 use crate::remote::{RemoteConfig, RemoteTier};
-use crate::short_slice::READER_SLICE;
 use crate::verify::BlockSpec;
 use crate::workers::Workers;
 pub use layer_reads::{LayerSink, MAX_PAUSE, MIN_PART_BYTES};
@@ -363,9 +362,9 @@ impl TieredStore {
             Some(rc) => Some(WriteThrough::open(rc, spec, alloc.clone(), &metrics)?),
             None => None,
         };
-        let readers = Workers::spawn("kvtier-read", READ_WORKERS, Some(READER_SLICE))
+        let readers = Workers::spawn("kvtier-read", READ_WORKERS)
             .map_err(|e| StoreError::Task(format!("cannot start the reader threads: {e}")))?;
-        let savers = Workers::spawn("kvtier-save", SAVE_WORKERS, None)
+        let savers = Workers::spawn("kvtier-save", SAVE_WORKERS)
             .map_err(|e| StoreError::Task(format!("cannot start the saver threads: {e}")))?;
         let inner = Arc::new(Inner {
             owner,
