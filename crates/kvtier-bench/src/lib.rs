@@ -6,8 +6,9 @@
 //! prefix reuse off (recompute, the baseline) and on (restore from the
 //! tiers). It reports TTFT percentiles, throughput, restore bandwidth, energy
 //! and cost per token, kvtier/baseline ratios, and gate verdicts
-//! ([`runner`], [`workload`], [`report`]), and with a KV codec how far the
-//! restored answers move from recomputed ones ([`accuracy`]); [`main_job`]
+//! ([`runner`], [`workload`], [`report`]), with a KV codec how far the
+//! restored answers move from recomputed ones ([`accuracy`]), and how much
+//! of a restore the first token still waits for ([`overlap`]); [`main_job`]
 //! assembles it as
 //! `kvtier bench` runs it (in-process engine, device-limit hooks, report
 //! files and plots).

@@ -77,8 +77,9 @@ pub struct BenchReport {
     /// process only; [`crate::accuracy`]).
     pub accuracy: Option<Accuracy>,
     /// The restored TTFT at concurrency 1 against the larger of the
-    /// restore and the suffix's compute ([`crate::overlap`]; in-process or
-    /// an endpoint that says where its hits came from).
+    /// restore and the suffix's compute ([`crate::overlap`]; measured
+    /// where the target reports what it restored: kvtier's engine in
+    /// process, or a `kvtier serve` endpoint).
     pub overlap: Option<Overlap>,
 }
 

@@ -271,7 +271,9 @@ pub fn run_cold_recovery(
             let (recs, wall) = run_clients(&*target, &list, c, cfg.max_tokens, &pb);
             let joules = meter.read()?.joules_total();
             pb.finish_and_clear();
-            if mode == Mode::Kvtier && c == 1 {
+            // Only a target that says what it restored (kvtier's engine
+            // or server) has a restore to put against the hot TTFT.
+            if mode == Mode::Kvtier && c == 1 && recs.iter().any(|r| r.restored_bytes > 0) {
                 hot = hot_ttft(&*target, &list, cfg.max_tokens, &recs, opts.progress);
             }
             target.end()?;
@@ -340,8 +342,8 @@ pub fn run_cold_recovery(
 /// The kvtier run at concurrency 1 once more, at once, so every prefix is
 /// still in G1: the TTFT of the same requests with nothing to restore (the
 /// suffix's compute and each request's own fixed costs). `None` unless
-/// every request found its whole restored prefix in G1 (a pool too small
-/// to keep them, or a target that does not say where its hits came from).
+/// every request found its whole restored prefix in G1 (not so with a
+/// pool too small to keep them).
 fn hot_ttft(
     target: &dyn Target,
     list: &[Session],
