@@ -169,6 +169,10 @@ impl Target for InProcess {
         Ok(())
     }
 
+    fn drops_prefixes(&self) -> bool {
+        true
+    }
+
     fn kv_form(&self) -> (String, f64) {
         match self.engine.as_ref().and_then(|e| e.store()) {
             Some(s) => {

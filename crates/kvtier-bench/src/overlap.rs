@@ -1,16 +1,28 @@
 //! How much of a restore the first token still waits for, at concurrency 1.
 //!
 //! A layer-wise restore aims at a TTFT of max(restore, suffix compute)
-//! instead of their sum. Both parts are measured in the same run:
+//! instead of their sum. Both parts are measured in the same run, in
+//! pairs: after the kvtier run at concurrency 1, each session's prefix is
+//! dropped again (G1, G2 where the run drops it, and the page cache) and
+//! its request is sent twice in a row.
 //!
-//! * the suffix's compute is the TTFT of the same requests sent again at
-//!   once, their prefixes still in G1 (nothing to restore). It holds what
-//!   any request costs besides the restore (admission, the prefix lookup,
-//!   the last prompt token's forward pass at the full context, sampling),
-//!   so a decode step alone, which has none of that, would understate it;
-//! * the restore is the restored bytes' read time at the device's raw
+//! * The first is restored, as in the run.
+//! * The second finds its prefix in G1 (nothing to restore). Its TTFT is
+//!   the suffix's compute with each request's own fixed costs (admission,
+//!   the prefix lookup, the last prompt token's forward pass at the full
+//!   context, sampling), so a decode step alone, which has none of that,
+//!   would understate it.
+//! * The restore is the restored bytes' read time at the device's raw
 //!   read limit, measured between runs: a floor, so the ratio never
 //!   flatters a slow read.
+//!
+//! The two of a pair run a fraction of a second apart. Taken a whole pass
+//! apart instead (the first version), they drifted more than the effect
+//! measured: one codec's ratio ranged 0.95 to 1.27 over four runs of one
+//! sitting, where paired runs agree within a few hundredths
+//! (docs/benchmarks.md). Every pair restores the whole prefix, the system
+//! prompt's blocks too, so it restores more than the run's requests after
+//! the first.
 //!
 //! `ratio` is the restored TTFT p50 over the larger of the two medians:
 //! 1.0 means the restore is wholly hidden.
@@ -23,9 +35,12 @@ use crate::stats::percentile;
 /// The restored TTFT against the larger of its two parts (module docs).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct Overlap {
-    /// TTFT p50 of the restored requests at concurrency 1, seconds.
+    /// Sessions measured both ways.
+    pub pairs: usize,
+    /// TTFT p50 of the restored requests, seconds.
     pub restored_ttft_p50_s: f64,
-    /// TTFT p50 of the same requests with their prefixes in G1, seconds.
+    /// TTFT p50 of the same requests sent again at once, their prefixes
+    /// in G1, seconds.
     pub hot_ttft_p50_s: f64,
     /// Median over requests of the restored bytes over the device's raw
     /// read limit, seconds (0 when the limit was not measured).
@@ -35,33 +50,40 @@ pub struct Overlap {
 }
 
 impl Overlap {
-    /// From the restored run at concurrency 1, the hot TTFT p50 and the
-    /// device's read limit in GB/s. `None` without a request that restored
-    /// anything, or without a positive hot TTFT.
-    pub fn of(
-        restored: &[RequestRecord],
-        hot_ttft_p50_s: f64,
-        device_limit_gbps: f64,
-    ) -> Option<Self> {
-        let ok: Vec<&RequestRecord> = restored
-            .iter()
-            .filter(|r| r.error.is_none() && r.restored_bytes > 0)
-            .collect();
-        if ok.is_empty() || hot_ttft_p50_s <= 0.0 {
+    /// From (restored, hot) pairs of the same request and the device's
+    /// read limit in GB/s. `None` unless every pair is whole: both served,
+    /// the first restored something, and the second found in G1 at least
+    /// every token the first had cached (else the second computed more
+    /// than the first, or restored too).
+    pub fn of(pairs: &[(RequestRecord, RequestRecord)], device_limit_gbps: f64) -> Option<Self> {
+        let whole = |(r, h): &(RequestRecord, RequestRecord)| {
+            r.error.is_none()
+                && h.error.is_none()
+                && r.restored_bytes > 0
+                && h.hit_tokens.g1 > 0
+                && h.hit_tokens.g1 >= r.hit_tokens.total()
+        };
+        if pairs.is_empty() || !pairs.iter().all(whole) {
             return None;
         }
-        let ttft: Vec<f64> = ok.iter().map(|r| r.ttft_s).collect();
-        let restored_ttft_p50_s = percentile(&ttft, 50.0)?;
+        let restored: Vec<f64> = pairs.iter().map(|(r, _)| r.ttft_s).collect();
+        let hot: Vec<f64> = pairs.iter().map(|(_, h)| h.ttft_s).collect();
+        let restored_ttft_p50_s = percentile(&restored, 50.0)?;
+        let hot_ttft_p50_s = percentile(&hot, 50.0)?;
+        if hot_ttft_p50_s <= 0.0 {
+            return None;
+        }
         let read_floor_s = if device_limit_gbps > 0.0 {
-            let reads: Vec<f64> = ok
+            let reads: Vec<f64> = pairs
                 .iter()
-                .map(|r| r.restored_bytes as f64 / (device_limit_gbps * 1e9))
+                .map(|(r, _)| r.restored_bytes as f64 / (device_limit_gbps * 1e9))
                 .collect();
             percentile(&reads, 50.0)?
         } else {
             0.0
         };
         Some(Self {
+            pairs: pairs.len(),
             restored_ttft_p50_s,
             hot_ttft_p50_s,
             read_floor_s,
@@ -73,39 +95,69 @@ impl Overlap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run_summary::TierTokens;
 
-    fn rec(ttft: f64, bytes: u64) -> RequestRecord {
-        RequestRecord {
-            ttft_s: ttft,
+    /// A restored request (`bytes` from G3, 800 tokens cached) and its
+    /// hot twin (`g1` tokens in G1).
+    fn pair(restored: f64, bytes: u64, hot: f64, g1: usize) -> (RequestRecord, RequestRecord) {
+        let r = RequestRecord {
+            ttft_s: restored,
             restored_bytes: bytes,
+            hit_tokens: TierTokens {
+                g3: 800,
+                ..Default::default()
+            },
             ..Default::default()
-        }
+        };
+        let h = RequestRecord {
+            ttft_s: hot,
+            hit_tokens: TierTokens {
+                g1,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        (r, h)
     }
 
     #[test]
-    fn the_ratio_is_over_the_larger_part() {
-        let runs = [
-            rec(0.020, 1_000_000_000),
-            rec(0.022, 1_000_000_000),
-            rec(0.024, 1_000_000_000),
+    fn the_ratio_is_the_restored_median_over_the_larger_part() {
+        let pairs = [
+            pair(0.020, 1_000_000_000, 0.015, 800),
+            pair(0.022, 1_000_000_000, 0.016, 800),
+            pair(0.024, 1_000_000_000, 0.030, 801),
         ];
-        // Compute (hot TTFT) is the larger part: 0.022 / 0.016.
-        let o = Overlap::of(&runs, 0.016, 1000.0).expect("measured");
+        // Compute (hot TTFT p50 0.016) is the larger part: 0.022 / 0.016.
+        let o = Overlap::of(&pairs, 1000.0).expect("measured");
+        assert_eq!(o.pairs, 3);
+        assert!((o.hot_ttft_p50_s - 0.016).abs() < 1e-12, "{o:?}");
         assert!((o.ratio - 0.022 / 0.016).abs() < 1e-9, "{o:?}");
         assert!((o.read_floor_s - 0.001).abs() < 1e-12, "{o:?}");
         // The read is: 1 GB at 50 GB/s is 0.020 s.
-        let o = Overlap::of(&runs, 0.016, 50.0).expect("measured");
+        let o = Overlap::of(&pairs, 50.0).expect("measured");
         assert!((o.ratio - 0.022 / 0.020).abs() < 1e-9, "{o:?}");
     }
 
     #[test]
-    fn nothing_restored_or_no_hot_ttft_is_not_a_ratio() {
-        assert_eq!(Overlap::of(&[rec(0.02, 0)], 0.016, 1.0), None);
-        assert_eq!(Overlap::of(&[rec(0.02, 10)], 0.0, 1.0), None);
-        let failed = RequestRecord {
-            error: Some("x".into()),
-            ..rec(0.02, 10)
-        };
-        assert_eq!(Overlap::of(&[failed], 0.016, 1.0), None);
+    fn a_pair_that_is_not_restored_then_hot_is_not_a_ratio() {
+        let ok = pair(0.02, 10, 0.016, 800);
+        assert!(Overlap::of(std::slice::from_ref(&ok), 1.0).is_some());
+        assert_eq!(Overlap::of(&[], 1.0), None);
+        // Nothing restored.
+        assert_eq!(Overlap::of(&[pair(0.02, 0, 0.016, 800)], 1.0), None);
+        // The second found less in G1 than the first had cached.
+        assert_eq!(
+            Overlap::of(&[ok.clone(), pair(0.02, 10, 0.016, 799)], 1.0),
+            None
+        );
+        // Either failed.
+        let mut failed = ok.clone();
+        failed.0.error = Some("x".into());
+        assert_eq!(Overlap::of(&[failed], 1.0), None);
+        let mut failed = ok;
+        failed.1.error = Some("x".into());
+        assert_eq!(Overlap::of(&[failed], 1.0), None);
+        // No hot TTFT.
+        assert_eq!(Overlap::of(&[pair(0.02, 10, 0.0, 800)], 1.0), None);
     }
 }

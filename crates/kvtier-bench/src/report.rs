@@ -77,9 +77,9 @@ pub struct BenchReport {
     /// process only; [`crate::accuracy`]).
     pub accuracy: Option<Accuracy>,
     /// The restored TTFT at concurrency 1 against the larger of the
-    /// restore and the suffix's compute ([`crate::overlap`]; measured
-    /// where the target reports what it restored: kvtier's engine in
-    /// process, or a `kvtier serve` endpoint).
+    /// restore and the suffix's compute ([`crate::overlap`]; measured in
+    /// process only, where the bench can drop a session's prefix again:
+    /// an endpoint's server is run as it is).
     pub overlap: Option<Overlap>,
 }
 

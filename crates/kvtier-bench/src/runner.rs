@@ -7,6 +7,10 @@
 //!    recompute) and a kvtier run (G1 dropped, and G2 too by default, so the
 //!    prefix is restored from G3), interleaved, with the device's raw read
 //!    limit measured between runs. Energy is read around each run.
+//! 3. **Pairs**, after the kvtier run at concurrency 1 (kvtier's engine in
+//!    process, which can drop a prefix again): each session restored, then
+//!    at once with its prefix in G1, for the TTFT against its two parts
+//!    ([`crate::overlap`]).
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -255,7 +259,7 @@ pub fn run_cold_recovery(
     sample_limit(&mut limit_samples);
 
     let mut raw: Vec<(Mode, u32, Vec<RequestRecord>, f64, f64)> = Vec::new();
-    let mut hot = None;
+    let mut pairs = Vec::new();
     for &c in &cfg.concurrency {
         for mode in [Mode::Baseline, Mode::Kvtier] {
             target.begin(mode, cfg.evict_g2)?;
@@ -271,14 +275,22 @@ pub fn run_cold_recovery(
             let (recs, wall) = run_clients(&*target, &list, c, cfg.max_tokens, &pb);
             let joules = meter.read()?.joules_total();
             pb.finish_and_clear();
-            // Only a target that says what it restored (kvtier's engine
-            // or server) has a restore to put against the hot TTFT.
-            if mode == Mode::Kvtier && c == 1 && recs.iter().any(|r| r.restored_bytes > 0) {
-                hot = hot_ttft(&*target, &list, cfg.max_tokens, &recs, opts.progress);
-            }
             target.end()?;
+            // Only a target that says what it restored and can drop it
+            // again (kvtier's engine in process) has a restore to put
+            // against the hot TTFT.
+            let restored = target.drops_prefixes() && recs.iter().any(|r| r.restored_bytes > 0);
             raw.push((mode, c, recs, wall, joules));
             sample_limit(&mut limit_samples);
+            if mode == Mode::Kvtier && c == 1 && restored {
+                pairs = overlap_pairs(
+                    &mut *target,
+                    &list,
+                    cfg,
+                    hooks.drop_page_cache,
+                    opts.progress,
+                )?;
+            }
         }
     }
     let device_limit_gbps = percentile(&limit_samples, 50.0).unwrap_or(0.0);
@@ -300,10 +312,12 @@ pub fn run_cold_recovery(
         (Some(reference), Some(restored)) => accuracy::compare(reference, restored),
         _ => None,
     };
-    let overlap = match (hot, at_one(Mode::Kvtier)) {
-        (Some(hot_ttft_s), Some(restored)) => Overlap::of(restored, hot_ttft_s, device_limit_gbps),
-        _ => None,
-    };
+    let overlap = Overlap::of(&pairs, device_limit_gbps);
+    if overlap.is_none() && !pairs.is_empty() {
+        tracing::warn!(
+            "TTFT with the prefix in G1 not measured: not every request was restored and then hit G1"
+        );
+    }
     let results: Vec<RunSummary> = raw
         .into_iter()
         .map(|(mode, c, recs, wall, joules)| {
@@ -339,35 +353,34 @@ pub fn run_cold_recovery(
     })
 }
 
-/// The kvtier run at concurrency 1 once more, at once, so every prefix is
-/// still in G1: the TTFT of the same requests with nothing to restore (the
-/// suffix's compute and each request's own fixed costs). `None` unless
-/// every request found its whole restored prefix in G1 (not so with a
-/// pool too small to keep them).
-fn hot_ttft(
-    target: &dyn Target,
+/// Each session once more as (restored, hot) twins, at concurrency 1: its
+/// prefix dropped as for a kvtier run (G1, G2 where the run drops it, the
+/// page cache), then its request twice in a row, the second with the
+/// prefix in G1 ([`crate::overlap`]).
+fn overlap_pairs(
+    target: &mut dyn Target,
     list: &[Session],
-    max_tokens: usize,
-    restored: &[RequestRecord],
+    cfg: &ColdRecoveryConfig,
+    drop_page_cache: &mut dyn FnMut(),
     progress: bool,
-) -> Option<f64> {
+) -> Result<Vec<(RequestRecord, RequestRecord)>, BenchError> {
     let pb = bar(
         list.len() as u64,
-        "prefix in G1 at concurrency 1".into(),
+        "restored, then prefix in G1".into(),
         progress,
     );
-    let (recs, _) = run_clients(target, list, 1, max_tokens, &pb);
-    pb.finish_and_clear();
-    let all_in_g1 = recs.len() == restored.len()
-        && recs.iter().zip(restored).all(|(h, r)| {
-            h.error.is_none() && h.hit_tokens.g1 > 0 && h.hit_tokens.g1 >= r.hit_tokens.total()
-        });
-    if !all_in_g1 {
-        tracing::warn!("TTFT with the prefix in G1 not measured: not every request hit G1");
-        return None;
+    let mut pairs = Vec::with_capacity(list.len());
+    for session in list {
+        target.begin(Mode::Kvtier, cfg.evict_g2)?;
+        drop_page_cache();
+        let restored = target.request(session, cfg.max_tokens);
+        let hot = target.request(session, cfg.max_tokens);
+        target.end()?;
+        pb.inc(1);
+        pairs.push((restored, hot));
     }
-    let ttft: Vec<f64> = recs.iter().map(|r| r.ttft_s).collect();
-    percentile(&ttft, 50.0)
+    pb.finish_and_clear();
+    Ok(pairs)
 }
 
 #[cfg(test)]

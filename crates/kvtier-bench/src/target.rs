@@ -27,4 +27,10 @@ pub trait Target: Sync {
     fn kv_form(&self) -> (String, f64) {
         ("unknown".into(), 1.0)
     }
+    /// True when [`begin`](Self::begin) really drops what it says (an
+    /// endpoint's server is run as it is): only then can a session be
+    /// restored again on purpose.
+    fn drops_prefixes(&self) -> bool {
+        false
+    }
 }
