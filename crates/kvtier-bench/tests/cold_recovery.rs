@@ -109,6 +109,13 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
     let o = report.overlap.expect("TTFT with the prefix in G1 measured");
     assert_eq!(o.pairs, 4, "{o:?}");
     assert!(
+        report
+            .table()
+            .contains("4 sessions restored and then sent again"),
+        "{}",
+        report.table()
+    );
+    assert!(
         o.hot_ttft_p50_s > 0.0 && o.restored_ttft_p50_s > 0.0,
         "{o:?}"
     );
