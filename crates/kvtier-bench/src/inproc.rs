@@ -125,6 +125,7 @@ impl Target for InProcess {
                     cached,
                     restored_bytes,
                     restore_seconds,
+                    layer_wait_seconds,
                     ..
                 }) => {
                     rec.hit_tokens = TierTokens {
@@ -135,6 +136,7 @@ impl Target for InProcess {
                     };
                     rec.restored_bytes = restored_bytes;
                     rec.restore_s = restore_seconds;
+                    rec.layer_wait_s = layer_wait_seconds;
                 }
                 Ok(GenerateEvent::Token(sampled)) => {
                     if rec.output_tokens == 0 {

@@ -46,6 +46,10 @@ pub struct RequestRecord {
     pub restored_bytes: u64,
     /// Seconds the engine spent restoring.
     pub restore_s: f64,
+    /// Seconds the prompt's forward pass waited for restored layers to
+    /// land (in-process target; 0 when nothing was restored layer by
+    /// layer).
+    pub layer_wait_s: f64,
     /// Why it failed, if it did.
     pub error: Option<String>,
     /// The generated tokens (in-process target; for [`crate::accuracy`]).

@@ -119,6 +119,12 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
         o.hot_ttft_p50_s > 0.0 && o.restored_ttft_p50_s > 0.0,
         "{o:?}"
     );
+    // The forward pass's wait for restored layers is part of the
+    // restored request's TTFT.
+    assert!(
+        (0.0..o.restored_ttft_p50_s).contains(&o.layer_wait_p50_s),
+        "{o:?}"
+    );
     assert!(
         o.read_floor_s > 0.0,
         "the limit (1 GB/s here) gives a read time: {o:?}"

@@ -145,6 +145,9 @@ pub struct Prefill {
     pub restored_bytes: u64,
     /// Seconds spent restoring from the store (lookup, reads, copies).
     pub restore_seconds: f64,
+    /// Seconds the forward pass waited for restored layers to land
+    /// ([`Attached::layer_wait_seconds`]).
+    pub layer_wait_seconds: f64,
     /// Prompt tokens computed.
     pub computed_tokens: usize,
 }
@@ -443,6 +446,7 @@ impl Engine {
             cached: attached.cached,
             restored_bytes: attached.restored_bytes,
             restore_seconds: attached.restore_seconds,
+            layer_wait_seconds: attached.layer_wait_seconds,
             computed_tokens: attached.to_compute,
         })
     }

@@ -28,7 +28,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvtier_store::{KvLayout, LayerSink, Tier};
 use parking_lot::{Condvar, Mutex};
@@ -48,6 +48,8 @@ struct Landed {
     done: bool,
     /// When it was done.
     done_at: Option<Instant>,
+    /// How long the forward pass has waited in [`RestoreSink::wait_layer`].
+    waited: Duration,
 }
 
 impl Landed {
@@ -169,8 +171,10 @@ impl RestoreSink {
 
     /// Waits until layer `layer` of each of the first `blocks` blocks is in
     /// its page (or could not be), or the read is done.
+    /// The time spent waiting adds to [`waited`](Self::waited).
     pub(crate) fn wait_layer(&self, layer: usize, blocks: usize) {
         let mut st = self.landed.lock();
+        let mut since: Option<Instant> = None;
         loop {
             let ready = st.done
                 || st.layers.get(layer).is_none_or(|row| {
@@ -180,10 +184,20 @@ impl RestoreSink {
                         .all(|(&landed, &failed)| landed || failed)
                 });
             if ready {
+                if let Some(t) = since {
+                    st.waited += t.elapsed();
+                }
                 return;
             }
+            since.get_or_insert_with(Instant::now);
             self.changed.wait(&mut st);
         }
+    }
+
+    /// How long [`wait_layer`](Self::wait_layer) has waited in all: the
+    /// part of the restore the forward pass did not overlap.
+    pub(crate) fn waited(&self) -> Duration {
+        self.landed.lock().waited
     }
 
     /// The first of the leading `blocks` a layer of which could not be

@@ -119,6 +119,10 @@ pub struct Attached {
     pub restored_bytes: u64,
     /// Seconds the store read took, plus the copies into G1.
     pub restore_seconds: f64,
+    /// Seconds the forward pass waited for restored layers to land (a
+    /// layer-wise restore's part not overlapped by compute; 0 for a
+    /// restore done before the forward pass started).
+    pub layer_wait_seconds: f64,
     /// Prompt tokens left to compute.
     pub to_compute: usize,
     /// The store's blocks were restored layer by layer, the forward pass
@@ -545,6 +549,7 @@ impl Engine {
         };
         if let Some(a) = seq.attached.as_mut() {
             a.restore_seconds = done.duration_since(l.started).as_secs_f64();
+            a.layer_wait_seconds = l.sink.waited().as_secs_f64();
         }
         if good == n {
             for i in 0..n {

@@ -146,6 +146,9 @@ pub enum GenerateEvent {
         restored_bytes: u64,
         /// Seconds the engine spent restoring them.
         restore_seconds: f64,
+        /// Seconds the prompt's forward pass waited for restored layers
+        /// to land ([`crate::Attached::layer_wait_seconds`]).
+        layer_wait_seconds: f64,
     },
     /// One generated token (with its log probabilities when the request
     /// asked for them).
@@ -542,6 +545,7 @@ fn started(a: &mut Active, report: Option<Attached>, logits: &[f32]) -> bool {
         ttft_seconds: arrived.elapsed().as_secs_f64(),
         restored_bytes: attached.restored_bytes,
         restore_seconds: attached.restore_seconds,
+        layer_wait_seconds: attached.layer_wait_seconds,
     };
     !a.events.send(event) || emit(a, next)
 }

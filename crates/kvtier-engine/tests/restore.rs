@@ -329,7 +329,18 @@ fn layer_wise_logits_equal_a_whole_prefix_restore_with_every_codec() {
             // Once so that the store holds all of `p` but its last token.
             restore_from_g3(&mut e, &p, false);
             let (whole, w) = restore_from_g3(&mut e, &p, false);
+            let t = std::time::Instant::now();
             let (layered, l) = restore_from_g3(&mut e, &p, true);
+            let took = t.elapsed().as_secs_f64();
+            // Whole first, the forward pass starts once the read is done:
+            // it never waits on a layer. Layer by layer it may, for at
+            // most the call's own time.
+            assert_eq!(w.layer_wait_seconds, 0.0, "{codec:?}");
+            assert!(
+                (0.0..=took).contains(&l.layer_wait_seconds),
+                "{codec:?}: waited {} s of {took} s",
+                l.layer_wait_seconds
+            );
             assert_eq!(l.cached.g3, w.cached.g3, "{codec:?}: same blocks restored");
             assert_eq!(l.cached.g3, p.len() - 1, "{codec:?}: restored from G3");
             assert_eq!(l.restored_bytes, w.restored_bytes);
