@@ -2,7 +2,9 @@
 //! suffix is new, with the prefix restored whole first (the baseline) and
 //! layer by layer (the forward pass starting while later layers are read),
 //! beside the two parts alone: the restore, and the suffix computed with
-//! the prefix already in G1. Rounds alternate the modes; medians printed.
+//! the prefix already in G1, and how long the layer-wise forward pass
+//! stood waiting for restored layers. Rounds alternate the modes; medians
+//! printed.
 //!
 //! `cargo run --release -p kvtier-engine --example layer_restore_ttft --
 //! [--model DIR] [--prefix 4096] [--suffix 1,64,256] [--rounds 5]
@@ -137,8 +139,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut fresh = 0u32;
     let mut rows = Vec::new();
     for &s in &args.suffixes {
-        let (mut restore, mut suffix, mut whole, mut layered) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut restore, mut suffix, mut whole, mut layered, mut waited) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut restored_bytes = 0;
         for round in 0..args.rounds {
             // A suffix no cache holds, new each time.
@@ -167,6 +169,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 restored_bytes = out.restored_bytes;
                 if layer_wise {
                     layered.push(ttft);
+                    waited.push(out.layer_wait_seconds);
                 } else {
                     whole.push(ttft);
                     restore.push(out.restore_seconds);
@@ -179,22 +182,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             suffix.push(ttft);
         }
-        let (r, c, w, l) = (
+        let (r, c, w, l, lw) = (
             median(restore),
             median(suffix),
             median(whole),
             median(layered),
+            median(waited),
         );
-        rows.push((s, r, c, w, l, restored_bytes));
+        rows.push((s, r, c, w, l, lw, restored_bytes));
     }
     let _ = std::fs::remove_dir_all(&cache);
     if args.json {
         let list: Vec<String> = rows
             .iter()
-            .map(|&(s, r, c, w, l, b)| {
+            .map(|&(s, r, c, w, l, lw, b)| {
                 format!(
                     "{{\"suffix_tokens\":{s},\"restore_s\":{r:.4},\"suffix_compute_s\":{c:.4},\
-                     \"ttft_whole_s\":{w:.4},\"ttft_layer_wise_s\":{l:.4},\
+                     \"ttft_whole_s\":{w:.4},\"ttft_layer_wise_s\":{l:.4},\"layer_wait_s\":{lw:.5},\
                      \"layer_wise_over_max\":{:.3},\"whole_over_max\":{:.3},\"restored_bytes\":{b}}}",
                     l / r.max(c),
                     w / r.max(c)
@@ -211,18 +215,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     println!(
         "prefix {prefix_tokens} tokens from G3 ({} MiB, codec {}), median of {} rounds",
-        rows.first().map_or(0, |r| r.5 >> 20),
+        rows.first().map_or(0, |r| r.6 >> 20),
         args.codec,
         args.rounds
     );
     println!(
-        "| suffix tokens | restore s | suffix compute s | TTFT whole first s | TTFT layer-wise s | whole / max | layer-wise / max |"
+        "| suffix tokens | restore s | suffix compute s | TTFT whole first s | TTFT layer-wise s | layer-wise waited s | whole / max | layer-wise / max |"
     );
-    println!("|---|---|---|---|---|---|---|");
-    for (s, r, c, w, l, _) in rows {
+    println!("|---|---|---|---|---|---|---|---|");
+    for (s, r, c, w, l, lw, _) in rows {
         let m = r.max(c);
         println!(
-            "| {s} | {r:.3} | {c:.3} | {w:.3} | {l:.3} | {:.2} | {:.2} |",
+            "| {s} | {r:.3} | {c:.3} | {w:.3} | {l:.3} | {lw:.4} | {:.2} | {:.2} |",
             w / m,
             l / m
         );
