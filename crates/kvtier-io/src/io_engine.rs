@@ -153,8 +153,10 @@ impl IoEngine {
     /// For reads whose first ops a caller waits on before it can do
     /// anything (a layer-wise restore's first layer): alone, they land at
     /// the device's full speed instead of sharing it with the whole batch.
-    /// On io_uring the second wave is in the kernel before `f` sees the
-    /// last op of the first.
+    /// On io_uring, once the first wave is done, at most `first` more ops
+    /// go into the kernel before each finished op is handed to `f`: the
+    /// device has the next wave's worth while `f` gets the op it waits
+    /// on without a whole window's submission ahead of it.
     pub fn run_waves_map<'f, T, F>(
         &self,
         ops: Vec<IoOp<'f>>,

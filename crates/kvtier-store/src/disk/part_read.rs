@@ -255,10 +255,13 @@ impl DiskTier {
         // them, and the first parts, the ones a layer-wise restore waits on
         // before it can compute anything, landed with the last (1.3-1.6 ms
         // for a 3-block prefix of the `small` preset on the reference VM,
-        // against 0.3 ms alone). The rest's first window is in the kernel
-        // before the first wave is handed over: the hand-over wakes the
-        // forward pass, which may take this thread's CPU until its next
-        // layer is due.
+        // against 0.3 ms alone). Each first part is handed over after at
+        // most a wave's worth of the rest (the next layer's parts) went
+        // into the kernel, and the window's other reads follow: the
+        // hand-over wakes the forward pass, which may take this thread's
+        // CPU until its next layer is due, so that layer's reads are in
+        // already; the whole window first made the first layer wait for
+        // its submission (`kvtier-io`'s `Order::SubmitFirst`).
         let largest = bounds
             .iter()
             .flat_map(|b| b.windows(2).map(|w| w[1] - w[0]))
