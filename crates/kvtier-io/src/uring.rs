@@ -210,9 +210,6 @@ fn drive<'f>(
     let mut ring_err: Option<io::Error> = None;
     // Ops of the first wave not done yet.
     let mut first_left = first;
-    // New ops submitted before each finished op is handed back, while any
-    // wait (see `Order::SubmitFirst`); none: all that fit.
-    let per_hand_back = (first > 0).then_some(first);
 
     loop {
         if matches!(order, Order::HandBackFirst) {
@@ -223,7 +220,9 @@ fn drive<'f>(
         let mut pushed = 0usize;
         let mut capped = false;
         while ring_err.is_none() && outstanding < in_flight {
-            if !ready.is_empty() && per_hand_back.is_some_and(|n| pushed >= n) {
+            // With a first wave, a wave's worth before each finished op
+            // is handed back (see `Order::SubmitFirst`).
+            if first > 0 && pushed >= first && !ready.is_empty() {
                 capped = true;
                 break;
             }
