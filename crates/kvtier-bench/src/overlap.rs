@@ -27,6 +27,15 @@
 //! `ratio` is the restored TTFT p50 over the larger of the two medians:
 //! 1.0 means the restore is wholly hidden.
 //!
+//! What comes before each twin moves the ratio. The restored one follows
+//! the drop of G1, G2 and the page cache; the hot one follows the restored
+//! one at once. On the 2-vCPU reference VM, 50 ms of idle before both
+//! brought the ratio from about 1.15 to 1.04-1.11 (an idle server was 2-6
+//! ms slower to a hot first token), and a request right before the
+//! restored one raised it to 1.18-1.32 (docs/benchmarks.md, "What comes
+//! before each twin moves the ratio"). The protocol stays as it is, so
+//! figures compare across runs and machines.
+//!
 //! What a restored request spends over its hot twin splits in two:
 //!
 //! * the time its forward pass stood waiting for restored layers to land
