@@ -43,8 +43,11 @@
 //!   read not overlapped by compute, mostly layer 0's;
 //! * the rest: the forward pass ran slower beside the restore, whose own
 //!   CPU (the checks, the decode into G1) shares the cores and the memory
-//!   bus with it. On a host whose forward pass runs on an accelerator
-//!   this part shrinks; the wait does not.
+//!   bus with it. On the 2-vCPU reference VM, work beside the forward
+//!   pass added about its own duration to the TTFT (docs/benchmarks.md,
+//!   "What work beside the forward pass costs it"). On a host whose
+//!   forward pass runs on an accelerator this part shrinks; the wait does
+//!   not.
 
 use serde::Serialize;
 

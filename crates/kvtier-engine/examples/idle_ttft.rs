@@ -1,18 +1,31 @@
-//! The TTFT of a request whose prefix is in G1, against how long the
-//! scheduler was idle before it came: does an idle server answer its next
-//! request as fast as a busy one?
+//! The TTFT of a request whose prefix is in G1, against what the machine
+//! does around it: how long the scheduler was idle before it came (does an
+//! idle server answer its next request as fast as a busy one?), and what
+//! other CPU work runs beside its forward pass (what a restore's own work
+//! costs a forward pass that already uses every core).
 //!
 //! ```text
 //! cargo run --release -p kvtier-engine --example idle_ttft -- \
 //!     [--model DIR] [--prompt 769] [--max-tokens 16] [--gaps 0,5,50] [--rounds 15]
+//!     [--beside none,decode,copy,spin]
 //! ```
 //!
 //! One scheduler serves the same prompt over and over (its prefix stays in
 //! G1, so each request computes its last token, then decodes
 //! `--max-tokens - 1` more). Before each request the client waits one of
-//! `--gaps` (milliseconds), the gaps taken in turn, `--rounds` times each.
-//! Prints the TTFT p50, min and max per gap. Default model: the embedded
-//! `small` preset in a temporary directory.
+//! `--gaps` (milliseconds); as it sends the request, another thread starts
+//! one of `--beside`:
+//!
+//! * `none`: nothing;
+//! * `decode`: kvtier's int8 decode of 3 MiB into 12 MiB of f32 (about
+//!   what a 768-token restore of the `small` preset decodes into G1);
+//! * `copy`: a copy of 12 MiB (the same restore, uncoded);
+//! * `spin`: arithmetic with no memory traffic, for as long as `decode`
+//!   took alone (its median over a warm-up).
+//!
+//! Every (gap, beside) pair is taken in turn, `--rounds` times each. Prints
+//! the TTFT p50, min and max per pair, and the side work's own time. Default
+//! model: the embedded `small` preset in a temporary directory.
 //!
 //! candle's barrier pool (the decode step's threads) keeps its workers
 //! spinning for `CANDLE_BARRIER_POOL_SPIN_LIMIT` rounds after each piece of
@@ -25,6 +38,7 @@ use std::time::{Duration, Instant};
 use kvtier_engine::sampling::SamplingParams;
 use kvtier_engine::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
 use kvtier_engine::{Engine, EngineOptions, Preset, write_preset};
+use kvtier_store::{KvCodec, KvDtype, codec};
 
 struct Args {
     model: Option<std::path::PathBuf>,
@@ -32,6 +46,103 @@ struct Args {
     max_tokens: usize,
     gaps: Vec<u64>,
     rounds: usize,
+    beside: Vec<Beside>,
+}
+
+/// Work another thread does while a request's forward pass runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Beside {
+    None,
+    Decode,
+    Copy,
+    Spin,
+}
+
+impl Beside {
+    fn parse(name: &str) -> Result<Self, String> {
+        Ok(match name.trim() {
+            "none" => Beside::None,
+            "decode" => Beside::Decode,
+            "copy" => Beside::Copy,
+            "spin" => Beside::Spin,
+            other => {
+                return Err(format!(
+                    "--beside: expected none, decode, copy or spin, not {other:?}"
+                ));
+            }
+        })
+    }
+}
+
+/// Elements a `decode` or `copy` writes: 768 tokens x 8 layers x 256
+/// values of K and V each, the `small` preset's.
+const SIDE_ELEMS: usize = 768 * 8 * 256 * 2;
+/// Values per int8 group (one scale each), as a (block, layer, head)
+/// group of 256 tokens x 64 dimensions.
+const SIDE_GROUP: usize = 256 * 64;
+
+/// The buffers side work reads and writes, and how long `spin` runs.
+struct SideWork {
+    coded: Vec<u8>,
+    plain: Vec<u8>,
+    out: Vec<u8>,
+    spin: Duration,
+}
+
+impl SideWork {
+    fn new() -> Result<Self, String> {
+        let values: Vec<f32> = (0..SIDE_ELEMS)
+            .map(|i| ((i * 37 % 1001) as f32 - 500.0) / 97.0)
+            .collect();
+        let plain: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
+        let stored = KvCodec::Int8
+            .group_bytes(KvDtype::F32, SIDE_GROUP as u64)
+            .ok_or("int8 takes no f32 groups")? as usize
+            * (SIDE_ELEMS / SIDE_GROUP);
+        let mut coded = vec![0u8; stored];
+        codec::encode(KvCodec::Int8, KvDtype::F32, SIDE_GROUP, &plain, &mut coded)
+            .map_err(|e| e.to_string())?;
+        let mut w = SideWork {
+            coded,
+            out: vec![0u8; plain.len()],
+            plain,
+            spin: Duration::ZERO,
+        };
+        let mut took: Vec<Duration> = (0..9)
+            .map(|_| w.run(Beside::Decode))
+            .collect::<Result<_, _>>()?;
+        took.sort();
+        w.spin = took[took.len() / 2];
+        Ok(w)
+    }
+
+    /// Does `what` once; how long it took.
+    fn run(&mut self, what: Beside) -> Result<Duration, String> {
+        let t = Instant::now();
+        match what {
+            Beside::None => {}
+            Beside::Decode => codec::decode(
+                KvCodec::Int8,
+                KvDtype::F32,
+                SIDE_GROUP,
+                &self.coded,
+                &mut self.out,
+            )
+            .map_err(|e| e.to_string())?,
+            Beside::Copy => self.out.copy_from_slice(&self.plain),
+            Beside::Spin => {
+                let mut x = 1u64;
+                while t.elapsed() < self.spin {
+                    for _ in 0..64 {
+                        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                    }
+                }
+                std::hint::black_box(x);
+            }
+        }
+        std::hint::black_box(&self.out);
+        Ok(t.elapsed())
+    }
 }
 
 fn parse() -> Result<Args, String> {
@@ -41,6 +152,7 @@ fn parse() -> Result<Args, String> {
         max_tokens: 16,
         gaps: vec![0, 5, 50],
         rounds: 15,
+        beside: vec![Beside::None],
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -57,11 +169,22 @@ fn parse() -> Result<Args, String> {
                     .map(|g| number(g.to_string()))
                     .collect::<Result<_, _>>()?
             }
+            "--beside" => {
+                a.beside = value()?
+                    .split(',')
+                    .map(Beside::parse)
+                    .collect::<Result<_, _>>()?
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
-    if a.prompt < 2 || a.max_tokens == 0 || a.rounds == 0 {
-        return Err("--prompt must be at least 2, --max-tokens and --rounds at least 1".into());
+    if a.prompt < 2
+        || a.max_tokens == 0
+        || a.rounds == 0
+        || a.gaps.is_empty()
+        || a.beside.is_empty()
+    {
+        return Err("--prompt must be at least 2, --max-tokens and --rounds at least 1, --gaps and --beside not empty".into());
     }
     Ok(a)
 }
@@ -124,22 +247,61 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let s = Scheduler::start(engine, BatchConfig::default())?;
     // The first request computes the prompt and leaves its prefix in G1.
     ttft_ms(&s, &prompt, a.max_tokens)?;
-    let mut by_gap: Vec<Vec<f64>> = vec![Vec::new(); a.gaps.len()];
+    let mut side = SideWork::new()?;
+    let spin = side.spin;
+    let (go, todo) = mpsc::channel::<Beside>();
+    let (done, took) = mpsc::channel::<Result<Duration, String>>();
+    let worker = std::thread::spawn(move || {
+        while let Ok(what) = todo.recv() {
+            if done.send(side.run(what)).is_err() {
+                break;
+            }
+        }
+    });
+    let pairs: Vec<(u64, Beside)> = a
+        .gaps
+        .iter()
+        .flat_map(|&g| a.beside.iter().map(move |&b| (g, b)))
+        .collect();
+    let mut ttfts: Vec<Vec<f64>> = vec![Vec::new(); pairs.len()];
+    let mut side_ms: Vec<Vec<f64>> = vec![Vec::new(); pairs.len()];
     for _ in 0..a.rounds {
-        for (i, &gap) in a.gaps.iter().enumerate() {
+        for (i, &(gap, beside)) in pairs.iter().enumerate() {
             std::thread::sleep(Duration::from_millis(gap));
-            by_gap[i].push(ttft_ms(&s, &prompt, a.max_tokens)?);
+            // `none` leaves the other thread asleep: waking it is work too.
+            if beside == Beside::None {
+                ttfts[i].push(ttft_ms(&s, &prompt, a.max_tokens)?);
+                side_ms[i].push(0.0);
+                continue;
+            }
+            go.send(beside)?;
+            ttfts[i].push(ttft_ms(&s, &prompt, a.max_tokens)?);
+            side_ms[i].push(took.recv()??.as_secs_f64() * 1e3);
         }
     }
-    let spin = std::env::var("CANDLE_BARRIER_POOL_SPIN_LIMIT").unwrap_or_else(|_| "unset".into());
+    drop(go);
+    let _ = worker.join();
+    let spin_env =
+        std::env::var("CANDLE_BARRIER_POOL_SPIN_LIMIT").unwrap_or_else(|_| "unset".into());
     println!(
-        "{}-token prompt, its prefix in G1, {} tokens each; CANDLE_BARRIER_POOL_SPIN_LIMIT {spin}",
-        a.prompt, a.max_tokens
+        "{}-token prompt, its prefix in G1, {} tokens each; CANDLE_BARRIER_POOL_SPIN_LIMIT {spin_env}; spin {:.3} ms",
+        a.prompt,
+        a.max_tokens,
+        spin.as_secs_f64() * 1e3
     );
-    for (gap, mut v) in a.gaps.iter().zip(by_gap) {
-        v.sort_by(f64::total_cmp);
-        let (lo, mid, hi) = (v[0], v[v.len() / 2], v[v.len() - 1]);
-        println!("idle {gap:>4} ms before: TTFT p50 {mid:.2} ms (min {lo:.2}, max {hi:.2})");
+    for ((gap, beside), (v, w)) in pairs.iter().zip(ttfts.into_iter().zip(side_ms)) {
+        let (lo, mid, hi) = spread(v);
+        let (_, side_mid, _) = spread(w);
+        println!(
+            "idle {gap:>4} ms before, {:<6} beside: TTFT p50 {mid:.2} ms (min {lo:.2}, max {hi:.2}); side work p50 {side_mid:.3} ms",
+            format!("{beside:?}").to_lowercase()
+        );
     }
     Ok(())
+}
+
+/// (min, median, max) of samples (at least one).
+fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[0], v[v.len() / 2], v[v.len() - 1])
 }
