@@ -17,9 +17,10 @@
 //! one of `--beside`:
 //!
 //! * `none`: nothing;
-//! * `decode`: kvtier's int8 decode of 3 MiB into 12 MiB of f32 (about
-//!   what a 768-token restore of the `small` preset decodes into G1);
-//! * `copy`: a copy of 12 MiB (the same restore, uncoded);
+//! * `decode`: kvtier's int8 decode of the prompt's whole blocks, in the
+//!   model's block layout, into f32: what restoring them decodes into G1
+//!   (3 MiB into 12 MiB for the `small` preset's 768 tokens);
+//! * `copy`: a copy of the same f32 bytes (that restore, uncoded);
 //! * `spin`: arithmetic with no memory traffic, for as long as `decode`
 //!   took alone (its median over a warm-up).
 //!
@@ -38,7 +39,7 @@ use std::time::{Duration, Instant};
 use kvtier_engine::sampling::SamplingParams;
 use kvtier_engine::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
 use kvtier_engine::{Engine, EngineOptions, Preset, write_preset};
-use kvtier_store::{KvCodec, KvDtype, codec};
+use kvtier_store::{KvCodec, KvLayout};
 
 struct Args {
     model: Option<std::path::PathBuf>,
@@ -74,15 +75,10 @@ impl Beside {
     }
 }
 
-/// Elements a `decode` or `copy` writes: 768 tokens x 8 layers x 256
-/// values of K and V each, the `small` preset's.
-const SIDE_ELEMS: usize = 768 * 8 * 256 * 2;
-/// Values per int8 group (one scale each), as a (block, layer, head)
-/// group of 256 tokens x 64 dimensions.
-const SIDE_GROUP: usize = 256 * 64;
-
-/// The buffers side work reads and writes, and how long `spin` runs.
+/// The blocks side work decodes or copies, and how long `spin` runs.
 struct SideWork {
+    /// The model's block layout, coded int8.
+    layout: KvLayout,
     coded: Vec<u8>,
     plain: Vec<u8>,
     out: Vec<u8>,
@@ -90,19 +86,24 @@ struct SideWork {
 }
 
 impl SideWork {
-    fn new() -> Result<Self, String> {
-        let values: Vec<f32> = (0..SIDE_ELEMS)
+    /// `blocks` blocks of `layout` (the engine's, uncoded), made up and
+    /// coded int8.
+    fn new(layout: KvLayout, blocks: usize) -> Result<Self, String> {
+        let layout = layout.with_codec(KvCodec::Int8);
+        let (logical, stored) = block_bytes(&layout);
+        let values: Vec<f32> = (0..blocks * logical / 4)
             .map(|i| ((i * 37 % 1001) as f32 - 500.0) / 97.0)
             .collect();
         let plain: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
-        let stored = KvCodec::Int8
-            .group_bytes(KvDtype::F32, SIDE_GROUP as u64)
-            .ok_or("int8 takes no f32 groups")? as usize
-            * (SIDE_ELEMS / SIDE_GROUP);
-        let mut coded = vec![0u8; stored];
-        codec::encode(KvCodec::Int8, KvDtype::F32, SIDE_GROUP, &plain, &mut coded)
-            .map_err(|e| e.to_string())?;
+        let mut coded = vec![0u8; blocks * stored];
+        for (src, dst) in plain
+            .chunks_exact(logical)
+            .zip(coded.chunks_exact_mut(stored))
+        {
+            layout.encode_into(0, src, dst).map_err(|e| e.to_string())?;
+        }
         let mut w = SideWork {
+            layout,
             coded,
             out: vec![0u8; plain.len()],
             plain,
@@ -121,14 +122,18 @@ impl SideWork {
         let t = Instant::now();
         match what {
             Beside::None => {}
-            Beside::Decode => codec::decode(
-                KvCodec::Int8,
-                KvDtype::F32,
-                SIDE_GROUP,
-                &self.coded,
-                &mut self.out,
-            )
-            .map_err(|e| e.to_string())?,
+            Beside::Decode => {
+                let (logical, stored) = block_bytes(&self.layout);
+                for (src, dst) in self
+                    .coded
+                    .chunks_exact(stored)
+                    .zip(self.out.chunks_exact_mut(logical))
+                {
+                    self.layout
+                        .decode_into(src, 0, dst)
+                        .map_err(|e| e.to_string())?;
+                }
+            }
             Beside::Copy => self.out.copy_from_slice(&self.plain),
             Beside::Spin => {
                 let mut x = 1u64;
@@ -144,6 +149,17 @@ impl SideWork {
         Ok(t.elapsed())
     }
 }
+
+/// (logical, stored) payload bytes of one block of `layout`.
+fn block_bytes(layout: &KvLayout) -> (usize, usize) {
+    (
+        layout.payload_bytes() as usize,
+        layout.stored_payload_bytes() as usize,
+    )
+}
+
+/// Tokens per KV block (and G1 page), as the bench's engine uses.
+const BLOCK_TOKENS: usize = 256;
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
@@ -236,19 +252,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     let opts = EngineOptions {
-        block_tokens: 256,
-        pool_pages: (a.prompt + a.max_tokens).div_ceil(256) * 2 + 8,
+        block_tokens: BLOCK_TOKENS,
+        pool_pages: (a.prompt + a.max_tokens).div_ceil(BLOCK_TOKENS) * 2 + 8,
         max_seq_tokens: a.prompt + a.max_tokens + 16,
         ..Default::default()
     };
     let engine = Engine::load(&dir, opts, None)?;
     let vocab = engine.config().vocab_size as u32;
+    let layout = engine.config().kv_layout(BLOCK_TOKENS);
     let prompt: Vec<u32> = (0..a.prompt as u32).map(|i| (i * 31 + 7) % vocab).collect();
     let s = Scheduler::start(engine, BatchConfig::default())?;
     // The first request computes the prompt and leaves its prefix in G1.
     ttft_ms(&s, &prompt, a.max_tokens)?;
-    let mut side = SideWork::new()?;
-    let spin = side.spin;
+    let mut side = SideWork::new(layout, a.prompt / BLOCK_TOKENS)?;
+    let (spin, coded_mb, plain_mb) = (
+        side.spin,
+        side.coded.len() as f64 / 1e6,
+        side.plain.len() as f64 / 1e6,
+    );
     let (go, todo) = mpsc::channel::<Beside>();
     let (done, took) = mpsc::channel::<Result<Duration, String>>();
     let worker = std::thread::spawn(move || {
@@ -269,14 +290,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for (i, &(gap, beside)) in pairs.iter().enumerate() {
             std::thread::sleep(Duration::from_millis(gap));
             // `none` leaves the other thread asleep: waking it is work too.
-            if beside == Beside::None {
-                ttfts[i].push(ttft_ms(&s, &prompt, a.max_tokens)?);
-                side_ms[i].push(0.0);
-                continue;
+            let busy = beside != Beside::None;
+            if busy {
+                go.send(beside)?;
             }
-            go.send(beside)?;
             ttfts[i].push(ttft_ms(&s, &prompt, a.max_tokens)?);
-            side_ms[i].push(took.recv()??.as_secs_f64() * 1e3);
+            side_ms[i].push(if busy {
+                took.recv()??.as_secs_f64() * 1e3
+            } else {
+                0.0
+            });
         }
     }
     drop(go);
@@ -284,7 +307,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let spin_env =
         std::env::var("CANDLE_BARRIER_POOL_SPIN_LIMIT").unwrap_or_else(|_| "unset".into());
     println!(
-        "{}-token prompt, its prefix in G1, {} tokens each; CANDLE_BARRIER_POOL_SPIN_LIMIT {spin_env}; spin {:.3} ms",
+        "{}-token prompt, its prefix in G1, {} tokens each; CANDLE_BARRIER_POOL_SPIN_LIMIT {spin_env}; decode {coded_mb:.1} MB into {plain_mb:.1} MB; spin {:.3} ms",
         a.prompt,
         a.max_tokens,
         spin.as_secs_f64() * 1e3
