@@ -74,6 +74,10 @@ pub struct MainJobOptions {
     /// Keep G2 (host memory) warm before kvtier runs (else restores come
     /// from G3).
     pub keep_g2: bool,
+    /// Drop the page cache before each restored twin of the
+    /// concurrency-1 pairs (off: `--no-pair-cache-drop`;
+    /// [`ColdRecoveryConfig::pair_cache_drop`]).
+    pub pair_cache_drop: bool,
     /// Tokens per KV block.
     pub block_tokens: usize,
     /// How G2 and G3 store the blocks kvtier restores (`--kv-offload-codec`).
@@ -116,6 +120,7 @@ impl Default for MainJobOptions {
             max_tokens: 8,
             concurrency: vec![1, 8, 16],
             keep_g2: false,
+            pair_cache_drop: true,
             block_tokens: 256,
             kv_offload_codec: kvtier_store::KvCodec::None,
             layerwise_restore: true,
@@ -161,6 +166,7 @@ pub fn run_main_job(opts: &MainJobOptions) -> Result<MainJobOutcome> {
         concurrency: opts.concurrency.clone(),
         evict_g2: !opts.keep_g2,
         seed: 42,
+        pair_cache_drop: opts.pair_cache_drop,
     };
     workload.validate().map_err(BenchError::Failed)?;
     if opts.block_tokens == 0 {

@@ -33,8 +33,17 @@
 //! brought the ratio from about 1.15 to 1.04-1.11 (an idle server was 2-6
 //! ms slower to a hot first token), and a request right before the
 //! restored one raised it to 1.18-1.32 (docs/benchmarks.md, "What comes
-//! before each twin moves the ratio"). The protocol stays as it is, so
-//! figures compare across runs and machines.
+//! before each twin moves the ratio"). The page-cache drop itself favours
+//! the restored twin there. Without it (`kvtier bench
+//! --no-pair-cache-drop`: each restored twin right after the drop of G1
+//! and G2) the int8 ratio's median was 1.31 over 11 runs, against 1.18
+//! over 8 with it, alternated in one sitting, and the forward pass waited
+//! about twice as long for restored layers; `sync` alone, the drop alone or
+//! 10 ms of sleep in its place did not do what both did (docs/benchmarks.md,
+//! "What the page-cache drop does to the pairs"). A server that drops no
+//! cache is nearer the first figure. The protocol stays as it is, so
+//! figures compare across runs and machines, and
+//! [`Overlap::page_cache_dropped`] says which one a figure used.
 //!
 //! What a restored request spends over its hot twin splits in two:
 //!
@@ -72,6 +81,10 @@ pub struct Overlap {
     /// Median over the restored requests of the time their forward pass
     /// waited for restored layers to land, seconds (module docs).
     pub layer_wait_p50_s: f64,
+    /// The page cache was dropped before each restored twin (the default
+    /// protocol; false with `kvtier bench --no-pair-cache-drop`, module
+    /// docs).
+    pub page_cache_dropped: bool,
 }
 
 impl Overlap {
@@ -115,6 +128,7 @@ impl Overlap {
             read_floor_s,
             ratio: restored_ttft_p50_s / hot_ttft_p50_s.max(read_floor_s),
             layer_wait_p50_s: percentile(&waits, 50.0)?,
+            page_cache_dropped: true,
         })
     }
 }

@@ -203,8 +203,13 @@ impl BenchReport {
     fn overlap_line(&self) -> String {
         match &self.overlap {
             Some(o) => format!(
-                "TTFT p50 at concurrency 1, {} sessions restored and then sent again: restored {:.1} ms (its forward pass waited {:.2} ms for restored layers), prefix in G1 {:.1} ms, read at the device limit {:.1} ms; restored / the larger {:.3}\n",
+                "TTFT p50 at concurrency 1, {} sessions restored{} and then sent again: restored {:.1} ms (its forward pass waited {:.2} ms for restored layers), prefix in G1 {:.1} ms, read at the device limit {:.1} ms; restored / the larger {:.3}\n",
                 o.pairs,
+                if o.page_cache_dropped {
+                    ""
+                } else {
+                    " (page cache not dropped first)"
+                },
                 o.restored_ttft_p50_s * 1e3,
                 o.layer_wait_p50_s * 1e3,
                 o.hot_ttft_p50_s * 1e3,

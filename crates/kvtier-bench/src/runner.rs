@@ -312,7 +312,10 @@ pub fn run_cold_recovery(
         (Some(reference), Some(restored)) => accuracy::compare(reference, restored),
         _ => None,
     };
-    let overlap = Overlap::of(&pairs, device_limit_gbps);
+    let overlap = Overlap::of(&pairs, device_limit_gbps).map(|o| Overlap {
+        page_cache_dropped: cfg.pair_cache_drop,
+        ..o
+    });
     if overlap.is_none() && !pairs.is_empty() {
         tracing::warn!(
             "TTFT with the prefix in G1 not measured: not every request was restored and then hit G1"
@@ -354,9 +357,9 @@ pub fn run_cold_recovery(
 }
 
 /// Each session once more as (restored, hot) twins, at concurrency 1: its
-/// prefix dropped as for a kvtier run (G1, G2 where the run drops it, the
-/// page cache), then its request twice in a row, the second with the
-/// prefix in G1 ([`crate::overlap`]).
+/// prefix dropped as for a kvtier run (G1, G2 where the run drops it, and
+/// the page cache unless `cfg.pair_cache_drop` is off), then its request
+/// twice in a row, the second with the prefix in G1 ([`crate::overlap`]).
 fn overlap_pairs(
     target: &mut dyn Target,
     list: &[Session],
@@ -372,7 +375,9 @@ fn overlap_pairs(
     let mut pairs = Vec::with_capacity(list.len());
     for session in list {
         target.begin(Mode::Kvtier, cfg.evict_g2)?;
-        drop_page_cache();
+        if cfg.pair_cache_drop {
+            drop_page_cache();
+        }
         let restored = target.request(session, cfg.max_tokens);
         let hot = target.request(session, cfg.max_tokens);
         target.end()?;

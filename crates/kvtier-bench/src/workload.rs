@@ -24,6 +24,11 @@ pub struct ColdRecoveryConfig {
     pub evict_g2: bool,
     /// Text seed.
     pub seed: u64,
+    /// Drop the page cache before each restored twin of the concurrency-1
+    /// pairs ([`crate::overlap`]), as before each kvtier run (the
+    /// default); off, each restored twin follows the drop of G1 and G2 at
+    /// once (`kvtier bench --no-pair-cache-drop`).
+    pub pair_cache_drop: bool,
 }
 
 impl Default for ColdRecoveryConfig {
@@ -37,6 +42,7 @@ impl Default for ColdRecoveryConfig {
             concurrency: vec![1, 8, 16],
             evict_g2: true,
             seed: 42,
+            pair_cache_drop: true,
         }
     }
 }

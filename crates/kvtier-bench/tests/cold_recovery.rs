@@ -16,8 +16,10 @@ use kvtier_engine::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
 use kvtier_store::KvCodec;
 
-/// The tiny cold-recovery run with the store keeping KV as `codec`.
-fn run_tiny(codec: KvCodec) -> BenchReport {
+/// The tiny cold-recovery run with the store keeping KV as `codec`, the
+/// pairs dropping the page cache before each restored twin or not; with
+/// how many times the run asked for the page cache to be dropped.
+fn run_tiny(codec: KvCodec, pair_cache_drop: bool) -> (BenchReport, usize) {
     let model = tempfile::tempdir().unwrap();
     let cache = tempfile::tempdir().unwrap();
     write_preset(Preset::Tiny, 9, model.path()).unwrap();
@@ -51,6 +53,7 @@ fn run_tiny(codec: KvCodec) -> BenchReport {
         concurrency: vec![1, 4],
         evict_g2: true,
         seed: 1,
+        pair_cache_drop,
     };
     let run = RunOptions {
         workload,
@@ -60,17 +63,21 @@ fn run_tiny(codec: KvCodec) -> BenchReport {
         progress: false,
     };
     let mut limit = || Ok(1.0);
-    let mut drop_cache = || {};
+    let mut drops = 0;
+    let mut drop_cache = || drops += 1;
     let hooks = Hooks {
         device_limit: &mut limit,
         drop_page_cache: &mut drop_cache,
     };
-    run_cold_recovery(&mut target, &run, hooks, MachineInfo::default()).unwrap()
+    let report = run_cold_recovery(&mut target, &run, hooks, MachineInfo::default()).unwrap();
+    (report, drops)
 }
 
 #[test]
 fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
-    let report = run_tiny(KvCodec::None);
+    let (report, drops) = run_tiny(KvCodec::None, true);
+    // Before each kvtier run (two concurrencies) and each restored twin.
+    assert_eq!(drops, 2 + 4);
 
     assert_eq!(
         report.results.len(),
@@ -108,6 +115,7 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
     // was put against the hot one.
     let o = report.overlap.expect("TTFT with the prefix in G1 measured");
     assert_eq!(o.pairs, 4, "{o:?}");
+    assert!(o.page_cache_dropped);
     assert!(
         report
             .table()
@@ -168,8 +176,19 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
 #[test]
 fn a_coded_store_restores_fewer_bytes_and_reports_its_accuracy() {
     for codec in [KvCodec::Bf16, KvCodec::Int8, KvCodec::Fp8E4m3] {
-        let report = run_tiny(codec);
+        // One of them with the pairs' page-cache drop off
+        // (`--no-pair-cache-drop`): the cache is dropped before each kvtier
+        // run only, and the figure says so.
+        let pair_cache_drop = codec != KvCodec::Int8;
+        let (report, drops) = run_tiny(codec, pair_cache_drop);
         assert_eq!(report.kv_offload_codec, codec.name());
+        let o = report.overlap.expect("TTFT with the prefix in G1 measured");
+        assert_eq!(o.page_cache_dropped, pair_cache_drop);
+        assert_eq!(drops, if pair_cache_drop { 2 + 4 } else { 2 });
+        assert_eq!(
+            report.table().contains("(page cache not dropped first)"),
+            !pair_cache_drop
+        );
         let acc = report.accuracy.as_ref().expect("measured at concurrency 1");
         assert_eq!((acc.requests, acc.tokens), (4, 12), "{acc:?}");
         // The codec's error moves the log probabilities a little (0.0003

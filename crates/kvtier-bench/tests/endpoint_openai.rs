@@ -410,6 +410,7 @@ fn a_run_whose_requests_fail_mid_run_finishes_and_counts_them() {
             concurrency: vec![1, 2],
             evict_g2: true,
             seed: 3,
+            ..Default::default()
         },
         gates: Gates::default(),
         cost: CostModel::default(),
@@ -453,6 +454,7 @@ fn a_baseline_endpoint_gets_the_baseline_runs_and_nothing_else() {
             concurrency: vec![1, 2],
             evict_g2: true,
             seed: 3,
+            ..Default::default()
         },
         gates: Gates::default(),
         cost: CostModel::default(),

@@ -68,6 +68,12 @@ pub struct BenchCmdArgs {
     /// Keep G2 (host memory) warm before kvtier runs (default: restores come from G3).
     #[arg(long)]
     pub keep_g2: bool,
+    /// Send each restored twin of the concurrency-1 pairs (the `overlap`
+    /// figure) right after G1 and G2 are dropped, without dropping the
+    /// page cache first as the default does (docs/benchmarks.md, "What
+    /// the page-cache drop does to the pairs").
+    #[arg(long)]
+    pub no_pair_cache_drop: bool,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 256)]
     pub block_tokens: usize,
@@ -136,6 +142,7 @@ impl BenchCmdArgs {
             max_tokens: self.max_tokens,
             concurrency: self.concurrency.clone(),
             keep_g2: self.keep_g2,
+            pair_cache_drop: !self.no_pair_cache_drop,
             block_tokens: self.block_tokens,
             kv_offload_codec: self.kv_offload_codec,
             layerwise_restore: !self.no_layerwise_restore,
