@@ -36,13 +36,14 @@
 //! before each twin moves the ratio"). The page-cache drop itself favours
 //! the restored twin there. Without it (`kvtier bench
 //! --no-pair-cache-drop`: each restored twin right after the drop of G1
-//! and G2) the int8 ratio's median was 1.31 over 11 runs, against 1.18
+//! and G2) the int8 ratio's median was 1.30 over 14 runs, against 1.18
 //! over 8 with it, alternated in one sitting, and the forward pass waited
-//! about twice as long for restored layers; `sync` alone, the drop alone or
-//! 10 ms of sleep in its place did not do what both did (docs/benchmarks.md,
-//! "What the page-cache drop does to the pairs"). A server that drops no
-//! cache is nearer the first figure. The protocol stays as it is, so
-//! figures compare across runs and machines, and
+//! about twice as long for restored layers. `sync` alone, the drop alone,
+//! or 10 ms of sleep or spinning in its place did not do what both did,
+//! and G3 on tmpfs showed the same gap, so it is not the disk
+//! (docs/benchmarks.md, "What the page-cache drop does to the pairs"). A
+//! server that drops no cache is nearer the first figure. The protocol
+//! stays as it is, so figures compare across runs and machines, and
 //! [`Overlap::page_cache_dropped`] says which one a figure used.
 //!
 //! What a restored request spends over its hot twin splits in two:
