@@ -206,9 +206,11 @@ pub fn run_main_job(opts: &MainJobOptions) -> Result<MainJobOutcome> {
         io,
     )?;
     let mut measure = || limit.measure(io).map_err(|e| e.to_string());
-    let mut drop_cache = || {
-        if let Err(e) = host::drop_page_cache() {
+    let mut drop_cache = || match host::drop_page_cache() {
+        Ok(()) => true,
+        Err(e) => {
             tracing::debug!("page cache not dropped: {e}");
+            false
         }
     };
     let machine = MachineInfo {

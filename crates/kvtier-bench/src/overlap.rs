@@ -83,8 +83,9 @@ pub struct Overlap {
     /// waited for restored layers to land, seconds (module docs).
     pub layer_wait_p50_s: f64,
     /// The page cache was dropped before each restored twin (the default
-    /// protocol; false with `kvtier bench --no-pair-cache-drop`, module
-    /// docs).
+    /// protocol; false with `kvtier bench --no-pair-cache-drop` or where
+    /// a drop failed, module docs). Set by the run that took the pairs
+    /// ([`of`](Self::of) cannot know: false).
     pub page_cache_dropped: bool,
 }
 
@@ -129,7 +130,7 @@ impl Overlap {
             read_floor_s,
             ratio: restored_ttft_p50_s / hot_ttft_p50_s.max(read_floor_s),
             layer_wait_p50_s: percentile(&waits, 50.0)?,
-            page_cache_dropped: true,
+            page_cache_dropped: false,
         })
     }
 }

@@ -33,8 +33,8 @@ use crate::workload::{ColdRecoveryConfig, Session, sessions};
 pub struct Hooks<'a> {
     /// Measures the device's raw read limit once, in GB/s.
     pub device_limit: &'a mut dyn FnMut() -> Result<f64, String>,
-    /// Drops the page cache (best effort).
-    pub drop_page_cache: &'a mut dyn FnMut(),
+    /// Drops the page cache (best effort): false when it could not.
+    pub drop_page_cache: &'a mut dyn FnMut() -> bool,
 }
 
 /// Options of a run.
@@ -260,6 +260,7 @@ pub fn run_cold_recovery(
 
     let mut raw: Vec<(Mode, u32, Vec<RequestRecord>, f64, f64)> = Vec::new();
     let mut pairs = Vec::new();
+    let mut pairs_dropped_cache = false;
     for &c in &cfg.concurrency {
         for mode in [Mode::Baseline, Mode::Kvtier] {
             target.begin(mode, cfg.evict_g2)?;
@@ -283,7 +284,7 @@ pub fn run_cold_recovery(
             raw.push((mode, c, recs, wall, joules));
             sample_limit(&mut limit_samples);
             if mode == Mode::Kvtier && c == 1 && restored {
-                pairs = overlap_pairs(
+                (pairs, pairs_dropped_cache) = overlap_pairs(
                     &mut *target,
                     &list,
                     cfg,
@@ -313,7 +314,7 @@ pub fn run_cold_recovery(
         _ => None,
     };
     let overlap = Overlap::of(&pairs, device_limit_gbps).map(|o| Overlap {
-        page_cache_dropped: cfg.pair_cache_drop,
+        page_cache_dropped: pairs_dropped_cache,
         ..o
     });
     if overlap.is_none() && !pairs.is_empty() {
@@ -360,23 +361,26 @@ pub fn run_cold_recovery(
 /// prefix dropped as for a kvtier run (G1, G2 where the run drops it, and
 /// the page cache unless `cfg.pair_cache_drop` is off), then its request
 /// twice in a row, the second with the prefix in G1 ([`crate::overlap`]).
+/// Also says whether the page cache was dropped before every restored
+/// twin.
 fn overlap_pairs(
     target: &mut dyn Target,
     list: &[Session],
     cfg: &ColdRecoveryConfig,
-    drop_page_cache: &mut dyn FnMut(),
+    drop_page_cache: &mut dyn FnMut() -> bool,
     progress: bool,
-) -> Result<Vec<(RequestRecord, RequestRecord)>, BenchError> {
+) -> Result<(Vec<(RequestRecord, RequestRecord)>, bool), BenchError> {
     let pb = bar(
         list.len() as u64,
         "restored, then prefix in G1".into(),
         progress,
     );
     let mut pairs = Vec::with_capacity(list.len());
+    let mut dropped = cfg.pair_cache_drop;
     for session in list {
         target.begin(Mode::Kvtier, cfg.evict_g2)?;
         if cfg.pair_cache_drop {
-            drop_page_cache();
+            dropped &= drop_page_cache();
         }
         let restored = target.request(session, cfg.max_tokens);
         let hot = target.request(session, cfg.max_tokens);
@@ -385,7 +389,7 @@ fn overlap_pairs(
         pairs.push((restored, hot));
     }
     pb.finish_and_clear();
-    Ok(pairs)
+    Ok((pairs, dropped))
 }
 
 #[cfg(test)]

@@ -418,7 +418,7 @@ fn a_run_whose_requests_fail_mid_run_finishes_and_counts_them() {
         progress: false,
     };
     let mut limit = || Ok(1.0);
-    let mut drop_cache = || {};
+    let mut drop_cache = || true;
     let hooks = Hooks {
         device_limit: &mut limit,
         drop_page_cache: &mut drop_cache,
@@ -462,7 +462,7 @@ fn a_baseline_endpoint_gets_the_baseline_runs_and_nothing_else() {
         progress: false,
     };
     let mut limit = || Ok(1.0);
-    let mut drop_cache = || {};
+    let mut drop_cache = || true;
     let hooks = Hooks {
         device_limit: &mut limit,
         drop_page_cache: &mut drop_cache,
