@@ -84,8 +84,7 @@ pub struct Overlap {
     pub layer_wait_p50_s: f64,
     /// The page cache was dropped before each restored twin (the default
     /// protocol; false with `kvtier bench --no-pair-cache-drop` or where
-    /// a drop failed, module docs). Set by the run that took the pairs
-    /// ([`of`](Self::of) cannot know: false).
+    /// a drop failed, module docs).
     pub page_cache_dropped: bool,
 }
 
@@ -94,8 +93,13 @@ impl Overlap {
     /// read limit in GB/s. `None` unless every pair is whole: both served,
     /// the first restored something, and the second found in G1 at least
     /// every token the first had cached (else the second computed more
-    /// than the first, or restored too).
-    pub fn of(pairs: &[(RequestRecord, RequestRecord)], device_limit_gbps: f64) -> Option<Self> {
+    /// than the first, or restored too). `page_cache_dropped`: whether the
+    /// page cache was dropped before every restored twin.
+    pub fn of(
+        pairs: &[(RequestRecord, RequestRecord)],
+        device_limit_gbps: f64,
+        page_cache_dropped: bool,
+    ) -> Option<Self> {
         let whole = |(r, h): &(RequestRecord, RequestRecord)| {
             r.error.is_none()
                 && h.error.is_none()
@@ -130,7 +134,7 @@ impl Overlap {
             read_floor_s,
             ratio: restored_ttft_p50_s / hot_ttft_p50_s.max(read_floor_s),
             layer_wait_p50_s: percentile(&waits, 50.0)?,
-            page_cache_dropped: false,
+            page_cache_dropped,
         })
     }
 }
@@ -171,13 +175,13 @@ mod tests {
             pair(0.024, 1_000_000_000, 0.030, 801),
         ];
         // Compute (hot TTFT p50 0.016) is the larger part: 0.022 / 0.016.
-        let o = Overlap::of(&pairs, 1000.0).expect("measured");
+        let o = Overlap::of(&pairs, 1000.0, true).expect("measured");
         assert_eq!(o.pairs, 3);
         assert!((o.hot_ttft_p50_s - 0.016).abs() < 1e-12, "{o:?}");
         assert!((o.ratio - 0.022 / 0.016).abs() < 1e-9, "{o:?}");
         assert!((o.read_floor_s - 0.001).abs() < 1e-12, "{o:?}");
         // The read is: 1 GB at 50 GB/s is 0.020 s.
-        let o = Overlap::of(&pairs, 50.0).expect("measured");
+        let o = Overlap::of(&pairs, 50.0, true).expect("measured");
         assert!((o.ratio - 0.022 / 0.020).abs() < 1e-9, "{o:?}");
     }
 
@@ -193,30 +197,30 @@ mod tests {
             // A hot request restores nothing; its field is not counted.
             h.layer_wait_s = 1.0;
         }
-        let o = Overlap::of(&pairs, 1.0).expect("measured");
+        let o = Overlap::of(&pairs, 1.0, true).expect("measured");
         assert!((o.layer_wait_p50_s - 0.0004).abs() < 1e-12, "{o:?}");
     }
 
     #[test]
     fn a_pair_that_is_not_restored_then_hot_is_not_a_ratio() {
         let ok = pair(0.02, 10, 0.016, 800);
-        assert!(Overlap::of(std::slice::from_ref(&ok), 1.0).is_some());
-        assert_eq!(Overlap::of(&[], 1.0), None);
+        assert!(Overlap::of(std::slice::from_ref(&ok), 1.0, true).is_some());
+        assert_eq!(Overlap::of(&[], 1.0, true), None);
         // Nothing restored.
-        assert_eq!(Overlap::of(&[pair(0.02, 0, 0.016, 800)], 1.0), None);
+        assert_eq!(Overlap::of(&[pair(0.02, 0, 0.016, 800)], 1.0, true), None);
         // The second found less in G1 than the first had cached.
         assert_eq!(
-            Overlap::of(&[ok.clone(), pair(0.02, 10, 0.016, 799)], 1.0),
+            Overlap::of(&[ok.clone(), pair(0.02, 10, 0.016, 799)], 1.0, true),
             None
         );
         // Either failed.
         let mut failed = ok.clone();
         failed.0.error = Some("x".into());
-        assert_eq!(Overlap::of(&[failed], 1.0), None);
+        assert_eq!(Overlap::of(&[failed], 1.0, true), None);
         let mut failed = ok;
         failed.1.error = Some("x".into());
-        assert_eq!(Overlap::of(&[failed], 1.0), None);
+        assert_eq!(Overlap::of(&[failed], 1.0, true), None);
         // No hot TTFT.
-        assert_eq!(Overlap::of(&[pair(0.02, 10, 0.0, 800)], 1.0), None);
+        assert_eq!(Overlap::of(&[pair(0.02, 10, 0.0, 800)], 1.0, true), None);
     }
 }

@@ -313,10 +313,7 @@ pub fn run_cold_recovery(
         (Some(reference), Some(restored)) => accuracy::compare(reference, restored),
         _ => None,
     };
-    let overlap = Overlap::of(&pairs, device_limit_gbps).map(|o| Overlap {
-        page_cache_dropped: pairs_dropped_cache,
-        ..o
-    });
+    let overlap = Overlap::of(&pairs, device_limit_gbps, pairs_dropped_cache);
     if overlap.is_none() && !pairs.is_empty() {
         tracing::warn!(
             "TTFT with the prefix in G1 not measured: not every request was restored and then hit G1"
