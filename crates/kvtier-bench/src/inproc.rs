@@ -123,11 +123,13 @@ impl Target for InProcess {
             match rx.recv_timeout(REQUEST_TIMEOUT) {
                 Ok(GenerateEvent::Started {
                     cached,
+                    ttft_seconds,
                     restored_bytes,
                     restore_seconds,
                     layer_wait_seconds,
                     ..
                 }) => {
+                    rec.server_ttft_s = ttft_seconds;
                     rec.hit_tokens = TierTokens {
                         g1: cached.g1,
                         g2: cached.g2,

@@ -34,6 +34,11 @@ pub struct RequestRecord {
     pub session: usize,
     /// Seconds from submission to the first token.
     pub ttft_s: f64,
+    /// Seconds from submission to the first token being sampled, as the
+    /// engine's scheduler timed it (in-process target; 0 where the target
+    /// does not say). Unlike `ttft_s` it leaves out the client thread's
+    /// wake-up for the token.
+    pub server_ttft_s: f64,
     /// Seconds from submission to the last token.
     pub e2e_s: f64,
     /// Prompt tokens.

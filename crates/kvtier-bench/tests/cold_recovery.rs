@@ -145,6 +145,26 @@ fn tiny_cold_recovery_reports_and_restore_beats_recompute() {
         o.ratio,
         o.restored_ttft_p50_s / o.hot_ttft_p50_s.max(o.read_floor_s)
     );
+    // The in-process scheduler times each twin too, to the first token
+    // being sampled: inside the client's span, which ends on its receipt.
+    assert!(
+        o.restored_server_ttft_p50_s > 0.0 && o.hot_server_ttft_p50_s > 0.0,
+        "{o:?}"
+    );
+    assert!(
+        o.restored_server_ttft_p50_s <= o.restored_ttft_p50_s
+            && o.hot_server_ttft_p50_s <= o.hot_ttft_p50_s,
+        "{o:?}"
+    );
+    assert_eq!(
+        o.server_ratio,
+        o.restored_server_ttft_p50_s / o.hot_server_ttft_p50_s.max(o.read_floor_s)
+    );
+    assert!(
+        report.table().contains("as the scheduler timed them"),
+        "{}",
+        report.table()
+    );
     // Restore beat recompute at every concurrency.
     for q in &report.ratios {
         assert!(
