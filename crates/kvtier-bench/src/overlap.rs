@@ -31,8 +31,8 @@
 //! scheduler timed it, to the first token being sampled
 //! (`server_ratio`, same definition). The client's TTFT ends when its
 //! thread has woken for the token; on the 2-vCPU reference VM that wake
-//! came a median 3.0 ms late after restored twins and about on time after
-//! hot ones, whose forward pass keeps both vCPUs as busy
+//! came a median 3.0 ms late after restored twins and at once after hot
+//! ones, though both keep both vCPUs busy with the next step
 //! (docs/benchmarks.md, "Where the restored twin's time went"). `ratio`
 //! stays the headline: a client is what sees a first token.
 //!

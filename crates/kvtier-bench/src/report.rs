@@ -199,7 +199,8 @@ impl BenchReport {
         s
     }
 
-    /// The restored TTFT at concurrency 1 against its two parts, one line.
+    /// The restored TTFT at concurrency 1 against its two parts, one line;
+    /// a second with the scheduler's own timing where it gave one.
     fn overlap_line(&self) -> String {
         match &self.overlap {
             Some(o) => {
