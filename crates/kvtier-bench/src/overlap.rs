@@ -146,31 +146,29 @@ impl Overlap {
         } else {
             0.0
         };
+        let over_larger = |restored: f64, hot: f64| restored / hot.max(read_floor_s);
         // The scheduler's own timing, where every twin has one.
         let said = pairs
             .iter()
             .all(|(r, h)| r.server_ttft_s > 0.0 && h.server_ttft_s > 0.0);
-        let (restored_server_ttft_p50_s, hot_server_ttft_p50_s) = if said {
+        let (restored_server_ttft_p50_s, hot_server_ttft_p50_s, server_ratio) = if said {
             let r: Vec<f64> = pairs.iter().map(|(r, _)| r.server_ttft_s).collect();
             let h: Vec<f64> = pairs.iter().map(|(_, h)| h.server_ttft_s).collect();
-            (percentile(&r, 50.0)?, percentile(&h, 50.0)?)
+            let (r, h) = (percentile(&r, 50.0)?, percentile(&h, 50.0)?);
+            (r, h, over_larger(r, h))
         } else {
-            (0.0, 0.0)
+            (0.0, 0.0, 0.0)
         };
         Some(Self {
             pairs: pairs.len(),
             restored_ttft_p50_s,
             hot_ttft_p50_s,
             read_floor_s,
-            ratio: restored_ttft_p50_s / hot_ttft_p50_s.max(read_floor_s),
+            ratio: over_larger(restored_ttft_p50_s, hot_ttft_p50_s),
             layer_wait_p50_s: percentile(&waits, 50.0)?,
             restored_server_ttft_p50_s,
             hot_server_ttft_p50_s,
-            server_ratio: if said {
-                restored_server_ttft_p50_s / hot_server_ttft_p50_s.max(read_floor_s)
-            } else {
-                0.0
-            },
+            server_ratio,
             page_cache_dropped,
         })
     }
