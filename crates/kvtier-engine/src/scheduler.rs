@@ -461,6 +461,17 @@ fn run(
         offload(&mut engine);
         if !q.active.is_empty() {
             step(&mut engine, &mut q.active);
+            // The step's tokens woke their consumers (a client's thread, an
+            // HTTP connection's task). Yield once so they get a core before
+            // the next step's forward pass fills every core again: else the
+            // kernel may leave them queued behind this thread until its next
+            // tick (4 ms at 250 Hz). That happened most after a restore,
+            // whose reader had taken CPU time from this thread, which the
+            // kernel then let run on to make up for it: 10 of 32 restored
+            // first tokens reached the bench's client about 3 ms late, and
+            // no hot one (docs/benchmarks.md). Costs one system call a step
+            // when no one waits.
+            std::thread::yield_now();
         }
     }
     offload(&mut engine);
