@@ -144,7 +144,7 @@ impl IoEngine {
         T: Send,
         F: Fn(usize, &IoDone<'f>) -> T + Sync,
     {
-        self.run_waves_map(ops, 0, in_flight, f)
+        self.run_waves_map(ops, 0, in_flight, &mut || {}, f)
     }
 
     /// [`run_batch_map`](Self::run_batch_map) in two waves: the first
@@ -157,11 +157,17 @@ impl IoEngine {
     /// go into the kernel before each finished op is handed to `f`: the
     /// device has the next wave's worth while `f` gets the op it waits
     /// on without a whole window's submission ahead of it.
+    ///
+    /// `submitted` runs once on the calling thread as soon as the first ops
+    /// are in the kernel (the thread pool: just before they start), not at
+    /// all for no ops: a caller about to wait for the device can wake other
+    /// work then, when this thread no longer needs its core.
     pub fn run_waves_map<'f, T, F>(
         &self,
         ops: Vec<IoOp<'f>>,
         first: usize,
         in_flight: usize,
+        submitted: &mut dyn FnMut(),
         f: F,
     ) -> Vec<(IoDone<'f>, T)>
     where
@@ -174,8 +180,10 @@ impl IoEngine {
         }
         let first = if first >= ops.len() { 0 } else { first };
         match self.backend {
-            Backend::IoUring => crate::uring::run_batch_map(ops, first, in_flight, &f),
-            Backend::ThreadPool => crate::threads::run_batch_map(ops, first, in_flight, &f),
+            Backend::IoUring => crate::uring::run_batch_map(ops, first, in_flight, submitted, &f),
+            Backend::ThreadPool => {
+                crate::threads::run_batch_map(ops, first, in_flight, submitted, &f)
+            }
         }
     }
 
@@ -365,11 +373,16 @@ mod tests {
             for first in [0, 1, 5, 23, 24, 40] {
                 let ops = patterned_reads(&engine, &file, 24, len);
                 let seen = std::sync::Mutex::new(Vec::new());
-                let out = engine.run_waves_map(ops, first, 8, |i, d| {
+                let mut told = 0;
+                let out = engine.run_waves_map(ops, first, 8, &mut || told += 1, |i, d| {
                     seen.lock().unwrap().push(i);
                     d.buf[..] == pattern(i, len)[..]
                 });
                 assert_eq!(out.len(), 24);
+                assert_eq!(
+                    told, 1,
+                    "first {first}: told once that the first ops are in"
+                );
                 for (i, (done, matched)) in out.into_iter().enumerate() {
                     assert!(matched, "first {first}: op {i}'s bytes");
                     assert_eq!(done.result.unwrap(), len);

@@ -13,16 +13,22 @@ use crate::io_op::{IoDone, IoKind, IoOp, finish};
 /// Runs `ops` with up to `in_flight` threads, calling `f` on each op as it
 /// completes (on the thread that ran it); results in submission order. The
 /// first `first` ops run alone, the rest once all of those are done.
+/// `submitted` runs once, just before the first ops start (when there are
+/// any).
 pub(crate) fn run_batch_map<'f, T, F>(
     mut ops: Vec<IoOp<'f>>,
     first: usize,
     in_flight: usize,
+    submitted: &mut dyn FnMut(),
     f: &F,
 ) -> Vec<(IoDone<'f>, T)>
 where
     T: Send,
     F: Fn(usize, &IoDone<'f>) -> T + Sync,
 {
+    if !ops.is_empty() {
+        submitted();
+    }
     if first == 0 || first >= ops.len() {
         return run_wave(ops, 0, in_flight, f);
     }

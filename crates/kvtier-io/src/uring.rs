@@ -82,6 +82,7 @@ pub(crate) fn run_batch_map<'f, T, F>(
     ops: Vec<IoOp<'f>>,
     first: usize,
     in_flight: usize,
+    submitted: &mut dyn FnMut(),
     f: &F,
 ) -> Vec<(IoDone<'f>, T)>
 where
@@ -94,15 +95,22 @@ where
         let mut it = ops.take().into_iter().flatten();
         let mut results: Vec<Option<(IoDone<'f>, T)>> = (0..n).map(|_| None).collect();
         let order = Order::SubmitFirst { first };
-        drive(ring, in_flight, order, &mut || it.next(), &mut |i, d| {
-            let t = f(i, &d);
-            results[i] = Some((d, t));
-        });
+        drive(
+            ring,
+            in_flight,
+            order,
+            &mut *submitted,
+            &mut || it.next(),
+            &mut |i, d| {
+                let t = f(i, &d);
+                results[i] = Some((d, t));
+            },
+        );
         results.into_iter().flatten().collect()
     });
     match (out, ops) {
         (Some(out), _) => out,
-        (None, Some(ops)) => crate::threads::run_batch_map(ops, first, in_flight, f),
+        (None, Some(ops)) => crate::threads::run_batch_map(ops, first, in_flight, submitted, f),
         (None, None) => Vec::new(),
     }
 }
@@ -123,6 +131,7 @@ pub(crate) fn run_stream<'f>(
             ring,
             in_flight,
             Order::HandBackFirst,
+            &mut || {},
             &mut *next,
             &mut *on_done,
         )
@@ -186,11 +195,13 @@ fn hand_back<'f>(
 /// `in_flight` are in the kernel, resubmits partial transfers, and hands
 /// each finished op to `on_done` with its position in the stream, in
 /// `order` with the next submissions. Returns once `next` is exhausted and
-/// every op has been handed back.
+/// every op has been handed back. `submitted` runs once, right after the
+/// first ops went into the kernel (not at all when there were none).
 fn drive<'f>(
     ring: &mut IoUring,
     in_flight: usize,
     order: Order,
+    submitted: &mut dyn FnMut(),
     next: &mut dyn FnMut() -> Option<IoOp<'f>>,
     on_done: &mut dyn FnMut(usize, IoDone<'f>),
 ) {
@@ -210,6 +221,7 @@ fn drive<'f>(
     let mut ring_err: Option<io::Error> = None;
     // Ops of the first wave not done yet.
     let mut first_left = first;
+    let mut told = false;
 
     loop {
         if matches!(order, Order::HandBackFirst) {
@@ -295,6 +307,10 @@ fn drive<'f>(
             // Into the kernel now, before the callbacks below; an error
             // here shows again at the wait, which submits too.
             let _ = ring.submit();
+            if !told {
+                told = true;
+                submitted();
+            }
         }
         // Hand completed ops back while the rest stay in flight: one, and
         // then the next wave's worth of submissions, when capped.
@@ -434,6 +450,7 @@ mod tests {
                     ring,
                     in_flight,
                     Order::SubmitFirst { first },
+                    &mut || {},
                     &mut || {
                         let op = ops.next();
                         pulled.set(pulled.get() + usize::from(op.is_some()));

@@ -120,11 +120,14 @@ impl DiskTier {
     /// `i`'s leading landed parts grows: `bytes` is the slot's first `to`
     /// bytes, `from..to` what is new; they are not verified yet. Outcomes
     /// and buffers as [`read_outcomes`](Self::read_outcomes) gives them.
+    /// `submitted` runs once, as soon as the first reads are in the kernel
+    /// (`IoEngine::run_waves_map`), not at all when nothing is read.
     pub fn read_in_parts(
         &self,
         keys: &[BlockKey],
         cuts: &[ReadCuts],
         landed: &OnLanded<'_>,
+        submitted: &mut dyn FnMut(),
     ) -> Vec<(ReadOutcome, AlignedBuf)> {
         let reqs = keys.iter().map(|key| (*key, self.slot_buffer())).collect();
         let (mut out, plan, mut bufs) = self.pin_reads(reqs);
@@ -268,7 +271,10 @@ impl DiskTier {
             .max()
             .unwrap_or(1);
         let in_flight = in_flight_after_the_first_wave(self.in_flight, largest, n);
-        drop(self.engine.run_waves_map(ops, n, in_flight, on_done));
+        drop(
+            self.engine
+                .run_waves_map(ops, n, in_flight, submitted, on_done),
+        );
         self.metrics.read_seconds.observe(t.elapsed().as_secs_f64());
         let outcomes = plan
             .iter()
