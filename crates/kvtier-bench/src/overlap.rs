@@ -32,9 +32,10 @@
 //! (`server_ratio`, same definition). The client's TTFT ends when its
 //! thread has woken for the token; on the 2-vCPU reference VM that wake
 //! came a median 3.0 ms late after restored twins and at once after hot
-//! ones, though both keep both vCPUs busy with the next step
-//! (docs/benchmarks.md, "Where the restored twin's time went"). `ratio`
-//! stays the headline: a client is what sees a first token.
+//! ones, until the scheduler yielded after each step; since, the two
+//! ratios agree to about 0.01 (docs/benchmarks.md, "Why the client woke
+//! late"). `ratio` stays the headline: a client is what sees a first
+//! token.
 //!
 //! What comes before each twin moves the ratio. The restored one follows
 //! the drop of G1, G2 and the page cache; the hot one follows the restored

@@ -205,8 +205,8 @@ impl TieredStore {
             (0..keys.len()).map_while(tier).collect()
         };
         // Known now unless G4 is asked: then once its GETs are answered.
-        // With G3 reads to make, the sink hears it once the first of them
-        // are in the kernel: it wakes the engine's forward pass, which
+        // The sink hears it once the first G3 reads are in the kernel (or
+        // after the reads, when there were none): it wakes the engine's forward pass, which
         // would otherwise start (and wake its pool's threads) while this
         // thread still holds a core to issue them. Measured on a 2-vCPU VM:
         // the concurrency-1 TTFT of restored twins against their hot twins
@@ -217,11 +217,6 @@ impl TieredStore {
             let planned = &planned;
             move || sink.planned(&planned(&|_| false))
         });
-        if g3_keys.is_empty()
-            && let Some(tell) = tell_plan.take()
-        {
-            tell();
-        }
         let mut read_g3 = || match (self.disk(), sink) {
             (Some(d), Some(sink)) if !g3_keys.is_empty() => {
                 let spans: Vec<Option<LayerSpans>> = from_g3.iter().map(|&i| spans_of(i)).collect();
@@ -316,7 +311,7 @@ impl TieredStore {
                 (g3, g4.join().unwrap_or_default())
             })
         };
-        // Nothing went into the kernel (no slot to read after all).
+        // Nothing went into the kernel (no G3 reads, or no slot to read).
         if let Some(tell) = tell_plan.take() {
             tell();
         }
