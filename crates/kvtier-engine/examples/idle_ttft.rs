@@ -28,10 +28,11 @@
 //! the TTFT p50, min and max per pair, and the side work's own time. Default
 //! model: the embedded `small` preset in a temporary directory.
 //!
-//! candle's barrier pool (the decode step's threads) keeps its workers
-//! spinning for `CANDLE_BARRIER_POOL_SPIN_LIMIT` rounds after each piece of
-//! work; run it with that variable set to compare (docs/benchmarks.md, "An
-//! idle server's next first token").
+//! The decode step's pool (`parallel.rs`) keeps its workers spinning for
+//! `SPIN_LIMIT` rounds after each part before they park; change it there to
+//! compare (docs/benchmarks.md, "An idle server's next first token", which
+//! measured the same limit on candle's barrier pool through
+//! `CANDLE_BARRIER_POOL_SPIN_LIMIT`).
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};

@@ -202,7 +202,7 @@ impl Model {
     /// (`rayon::scope`): candle's parallel parts then start on the thread
     /// that is already running, instead of each being handed over from the
     /// caller's thread and waited for. The decode step runs on the caller's
-    /// thread, which works beside candle's barrier pool
+    /// thread, which works beside kvtier's spinning pool
     /// ([`crate::parallel`]).
     pub fn forward(&self, pool: &KvPool, segs: &[Segment<'_>]) -> Result<Tensor, EngineError> {
         self.forward_gated(pool, segs, &|_| {})
