@@ -186,11 +186,13 @@ impl Pool {
     /// calling thread and whichever workers join in time. Returns when
     /// every piece is done; a panic in a piece is raised here after that.
     fn run<F: Fn(usize) + Sync>(&self, pieces: usize, f: &F) {
-        let inline = pieces <= 1 || self.workers.is_empty() || IN_POOL.with(Cell::get);
+        if pieces <= 1 || self.workers.is_empty() || IN_POOL.with(Cell::get) {
+            (0..pieces).for_each(f);
+            return;
+        }
         // A caller that panicked in its own piece poisons the lock; it
         // guards nothing but the turn, so the poison is ignored.
         let guard = match self.call.try_lock() {
-            _ if inline => None,
             Ok(g) => Some(g),
             Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
             Err(TryLockError::WouldBlock) => None,
@@ -227,7 +229,6 @@ impl Pool {
         }
         IN_POOL.with(|c| c.set(true));
         take_pieces(inner, pieces, f);
-        IN_POOL.with(|c| c.set(false));
         drop(open);
         if let Some(p) = inner.panic.lock().ok().and_then(|mut p| p.take()) {
             resume_unwind(p);
