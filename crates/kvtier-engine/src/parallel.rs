@@ -215,10 +215,6 @@ impl Pool {
         }
         inner.cursor.store(0, Ordering::Relaxed);
         inner.left.store(0, Ordering::Relaxed);
-        // A worker's panic left by a part whose caller panicked too.
-        if let Ok(mut p) = inner.panic.lock() {
-            *p = None;
-        }
         // Publishes the part: a worker's successful join (Acquire) sees it.
         inner
             .state
@@ -230,9 +226,6 @@ impl Pool {
         IN_POOL.with(|c| c.set(true));
         take_pieces(inner, pieces, f);
         drop(open);
-        if let Some(p) = inner.panic.lock().ok().and_then(|mut p| p.take()) {
-            resume_unwind(p);
-        }
     }
 }
 
@@ -250,6 +243,8 @@ fn take_pieces<F: Fn(usize) + ?Sized>(inner: &Inner, pieces: usize, f: &F) {
 /// An open part: dropping it (at the end of `run`, or while the caller
 /// unwinds from a panic in its own piece) closes the part and waits for
 /// the workers that joined it, so none touches the caller's closure after.
+/// Then it takes a worker's panic, if any, and raises it unless the caller
+/// is unwinding already.
 struct Open(&'static Inner);
 
 impl Drop for Open {
@@ -266,6 +261,12 @@ impl Drop for Open {
             } else {
                 std::thread::yield_now();
             }
+        }
+        let panic = self.0.panic.lock().ok().and_then(|mut p| p.take());
+        if let Some(p) = panic
+            && !std::thread::panicking()
+        {
+            resume_unwind(p);
         }
     }
 }

@@ -206,9 +206,9 @@ impl TieredStore {
         };
         // Known now unless G4 is asked: then once its GETs are answered.
         // The sink hears it once the first G3 reads are in the kernel (or
-        // after the reads, when there were none): it wakes the engine's forward pass, which
-        // would otherwise start (and wake its pool's threads) while this
-        // thread still holds a core to issue them. Measured on a 2-vCPU VM:
+        // after the reads, when there were none): it wakes the engine's
+        // forward pass, which would otherwise start (and wake its pool's
+        // threads) while this thread still holds a core to issue them. Measured on a 2-vCPU VM:
         // the concurrency-1 TTFT of restored twins against their hot twins
         // 1.186 (median of 6 runs) against 1.208 telling it first, lower in
         // all 6 pairs (docs/benchmarks.md).
