@@ -228,8 +228,21 @@ class Namespace:
         """``(segment file, slot offset)`` of a block on disk, or ``None``."""
         return self._ns.locate(_hash_bytes(key))
 
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Waits until the read buffers asked for with
+        ``warm_read_buffers`` are faulted in, at most ``timeout`` seconds
+        (``None``: no limit); True once the warming has ended (at once when
+        none was asked for), False on timeout. Restores that start before
+        then read into fresh memory, which faults in slower than a disk
+        reads on some machines; an engine that takes requests right after
+        it starts waits here first."""
+        return self._ns.wait_warm(timeout)
+
     def stats(self) -> dict[str, int]:
-        """Hits, misses and corrupt blocks per tier, blocks on disk."""
+        """Hits, misses and corrupt blocks per tier, blocks on disk, read
+        buffers warmed (``read_buffers_warmed`` of
+        ``read_buffers_warm_target``) and block buffers served with fresh
+        memory (``fresh_buffers``: each was faulted in on first use)."""
         return self._ns.stats()
 
     def metrics_text(self) -> str:
@@ -274,9 +287,10 @@ class Store:
         ``warm_read_buffers``: a background thread faults in, right after
         the open, the buffers G3 and G4 reads take (as many as the G2
         budget holds in blocks), so restores read into resident memory
-        rather than faulting fresh pages in as they read (measured under
-        vLLM: a 7-block restore 4x faster). It commits the G2 budget's
-        memory at open; G2 is shared, so ask for it in one namespace."""
+        rather than faulting fresh pages in as they read; each is usable
+        as soon as it is warm, and :meth:`Namespace.wait_warm` waits for
+        the end. It commits the G2 budget's memory at open; G2 is shared,
+        so ask for it in one namespace."""
         return Namespace(self._store.namespace(layout, fingerprint, salt, name, warm_read_buffers))
 
     @property

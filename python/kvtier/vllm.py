@@ -43,11 +43,11 @@ the connector warns about it at start.
 - ``layerwise_load`` (default true): with ``load_async`` false, each layer's
   attention waits only for that layer (``wait_for_layer_load``); false waits
   for the whole restore before the step (for comparisons);
-- ``warm_read_buffers`` (default true): at start, a background thread
-  faults in the buffers restores read into (as many blocks as
-  ``g2_bytes`` holds), so a restore does not fault fresh memory in while
-  it reads (inside vLLM's worker that made a 7-block restore several times
-  slower); it commits the G2 budget's memory at start;
+- ``warm_read_buffers`` (default true): at start, the worker faults in
+  the buffers restores read into (as many blocks as ``g2_bytes`` holds)
+  and waits for it before vLLM takes requests, so no restore faults fresh
+  memory in while it reads (see "Start-up"); it commits the G2 budget's
+  memory at start, as vLLM does its own KV cache;
 - ``force_staging`` (default false): copy pages through host buffers
   (:mod:`kvtier.staging`) even where the KV cache could be read and written
   in place, so the path an accelerator's KV cache takes runs on a CPU too
@@ -94,6 +94,15 @@ Decisions (where vLLM leaves a choice):
   converted to the CPU backend's form on the device on the way: every
   backend stores the same bytes, so GPU and CPU workers of one model share
   KV. A backend whose page form kvtier does not know is refused at start.
+- **Start-up.** The first burst after a restart is when every prefix comes
+  from kvtier, so nothing it needs may still be starting then. The worker
+  waits in ``register_kv_caches`` until the read buffers are warm (fresh
+  memory faulted in on a restore's path made the first burst's restores
+  several times slower, and the warming thread competed with them for the
+  CPU; docs/architecture.md, "Decisions"), and the scheduler connects to
+  the worker's lookup socket when it is built, not at the first request.
+  ``vllm:kvtier_fresh_buffers_total`` counts block buffers taken from
+  fresh memory after the start: it stays 0 while G2's warmed budget lasts.
 - **Threads.** The store's threads, the flusher and the lookup server run
   on every CPU the process was given (its parent's), not on the cores
   vLLM's CPU worker pins its own thread to (they would inherit its
@@ -450,6 +459,18 @@ class _LookupClient:
         self._conn: Connection | None = None
         self._lock = threading.Lock()
 
+    def connect_now(self) -> None:
+        """Connects at once if the worker listens (the scheduler is built
+        after the workers registered their caches), so that the first
+        request does not pay for the connection; a worker not yet there is
+        connected to at the first lookup instead."""
+        with self._lock:
+            if self._conn is None:
+                try:
+                    self._conn = Client(self._address, family="AF_UNIX", authkey=self._key)
+                except (OSError, EOFError):
+                    pass
+
     def lookup(self, tokens: list[int], salt: bytes) -> int:
         with self._lock:
             for attempt in range(2):
@@ -499,6 +520,8 @@ class KvtierConnector(KVConnectorBase_V1):
             )
         # Scheduler side.
         self._lookup = _LookupClient(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        if self._lookup is not None:
+            self._lookup.connect_now()
         self._matches: dict[str, _Match] = {}
         self._loading: set[str] = set()
         self._pending_loads: list[_Job] = []
@@ -517,6 +540,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._finished_seen: set[str] = set()
         self._load_errors: set[int] = set()
         self._stats = KvtierConnectorStats()
+        #: The store's count of fresh block buffers when last reported.
+        self._fresh_seen = 0
         self._flusher: _Flusher | None = None
 
     # ---------------------------------------------------------- scheduler
@@ -621,6 +646,7 @@ class KvtierConnector(KVConnectorBase_V1):
         except (AssertionError, RuntimeError):
             rank = 0
         self._ns = connector_namespace(self._vllm_config, rank, warm=True)
+        self._wait_warm()
         layout = self._ns.layout
         names = sorted(kv_caches, key=extract_layer_index)
         layers = [kv_caches[n] for n in names]
@@ -653,6 +679,23 @@ class KvtierConnector(KVConnectorBase_V1):
             backend,
             "in place" if self._staging is None else f"staged from {layers[0].device} ({arrangement})",
         )
+
+    def _wait_warm(self) -> None:
+        """Waits until the store's read buffers are warm (see "Start-up"),
+        and notes the store's fresh-buffer count from then on."""
+        assert self._ns is not None
+        started = time.monotonic()
+        self._ns.wait_warm()
+        st = self._ns.stats()
+        self._fresh_seen = int(st.get("fresh_buffers", 0))
+        if st.get("read_buffers_warm_target"):
+            logger.info(
+                "kvtier: %d of %d read buffers (%.0f MiB) faulted in at start, in %.1f s",
+                st["read_buffers_warmed"],
+                st["read_buffers_warm_target"],
+                st["read_buffers_warmed"] * self._ns.layout.slot_bytes / 2**20,
+                time.monotonic() - started,
+            )
 
     def _start(self, job: _Job, save: bool, layerwise: bool = False) -> _Running:
         assert self._ns is not None
@@ -800,6 +843,12 @@ class KvtierConnector(KVConnectorBase_V1):
         """Blocks and seconds of loads and saves since the last call."""
         if self._stats.is_empty():
             return None
+        if self._ns is not None:
+            # Buffers are taken by loads and saves only, so a step without
+            # either has none to count.
+            fresh = int(self._ns.stats().get("fresh_buffers", 0))
+            self._stats.data["fresh_buffers"] += fresh - self._fresh_seen
+            self._fresh_seen = fresh
         stats, self._stats = self._stats, KvtierConnectorStats()
         return stats
 
@@ -894,14 +943,15 @@ _STAT_KEYS = (
     "blocks_save_failed",
     "load_s",
     "save_s",
+    "fresh_buffers",
 )
 
 
 @dataclass
 class KvtierConnectorStats(KVConnectorStats):
     """Per-interval counts: blocks loaded (and of those, by layer-wise
-    loads) and failed, saved and failed, and the seconds loads and saves
-    took."""
+    loads) and failed, saved and failed, the seconds loads and saves took,
+    and block buffers the store took from fresh memory."""
 
     def __post_init__(self) -> None:
         for k in _STAT_KEYS:
@@ -940,8 +990,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
     """kvtier's series on vLLM's ``/metrics``:
     ``vllm:kvtier_blocks_loaded_total`` (``..._loaded_layerwise_total``
     of them layer by layer), ``..._load_failed_total``,
-    ``..._blocks_saved_total``, ``..._save_failed_total`` and
-    ``vllm:kvtier_load_s_total``."""
+    ``..._blocks_saved_total``, ``..._save_failed_total``,
+    ``vllm:kvtier_load_s_total`` and ``vllm:kvtier_fresh_buffers_total``."""
 
     def __init__(
         self,
@@ -959,6 +1009,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             ("blocks_saved", "KV blocks saved to kvtier"),
             ("blocks_save_failed", "KV blocks kvtier failed to save"),
             ("load_s", "Seconds kvtier's loads took, summed over loads (they overlap)"),
+            ("fresh_buffers", "Block buffers kvtier took from fresh memory after the start (faulted in on use)"),
         ):
             c = self._counter_cls(name=f"vllm:kvtier_{key}", documentation=doc, labelnames=labelnames)
             self._counters[key] = {

@@ -529,13 +529,24 @@ impl Namespace {
         Some((path.display().to_string(), off))
     }
 
+    /// Waits (without the GIL) until the warming of read buffers asked for
+    /// at open has ended, at most `timeout` seconds; true once it has (at
+    /// once when none was asked for), false on timeout.
+    #[pyo3(signature = (timeout = None))]
+    fn wait_warm(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let limit = seconds(timeout)?;
+        let progress = py.detach(|| self.store.wait_read_buffers_warm(limit));
+        Ok(progress.is_none_or(|p| p.done))
+    }
+
     /// This namespace's metrics in Prometheus text.
     fn metrics_text(&self) -> String {
         self.store.metrics().render()
     }
 
     /// This namespace's counters: hits per tier, misses, corrupt blocks,
-    /// blocks held in G3.
+    /// blocks held in G3, read buffers warmed (of how many asked for), and
+    /// block buffers its allocator served with fresh memory.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let m = self.store.metrics();
         let d = PyDict::new(py);
@@ -547,6 +558,10 @@ impl Namespace {
                 t.corrupt_blocks.get(),
             )?;
         }
+        let warm = self.store.read_buffers_warm().unwrap_or_default();
+        d.set_item("read_buffers_warmed", warm.warmed)?;
+        d.set_item("read_buffers_warm_target", warm.target)?;
+        d.set_item("fresh_buffers", self.store.fresh_buffers().unwrap_or(0))?;
         let s = self.store.stats();
         d.set_item("g3_blocks", s.g3_blocks)?;
         d.set_item("writeback_pending", s.writeback_pending)?;
@@ -617,7 +632,8 @@ impl Store {
     /// (default: derived from the fingerprint and layout);
     /// `warm_read_buffers`: fault in, on a background thread, the buffers
     /// its reads will take (as many as the G2 budget holds), so a restore
-    /// does not fault fresh memory in (commits the G2 budget at open).
+    /// does not fault fresh memory in (commits the G2 budget at open;
+    /// `Namespace.wait_warm` waits for it).
     #[pyo3(signature = (layout, fingerprint, salt = b"".as_slice(), name = None, warm_read_buffers = false))]
     fn namespace(
         &self,

@@ -6,6 +6,7 @@ says so; bad memory is refused with a clear error."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -246,6 +247,40 @@ def test_warm_read_buffers_commit_the_g2_budget_at_open_and_reads_still_work(tmp
     # Warmed: most of the 96 MiB budget's blocks faulted in; cold: none.
     assert grown["1"] >= 64 << 20, grown
     assert grown["0"] < 16 << 20, grown
+
+
+def test_a_restore_after_the_warming_takes_no_fresh_memory(tmp_path: Path) -> None:
+    # What kvtier.vllm relies on at start: once wait_warm() returns, a
+    # restore from G3 reads into warmed buffers, never into fresh memory.
+    layout = Layout.vllm_cpu(2, 2, 64, block_tokens=16)
+    kv = [torch.randn(8, 2, 16, 128) for _ in range(2)]
+    keys = [bytes([i]) * 16 for i in range(8)]
+    store = Store(str(tmp_path / "cache"), g2_bytes=4 << 20, g3_bytes=16 << 20)
+    ns = store.namespace(layout, fingerprint="w")
+    assert ns.wait_warm(timeout=0), "no warming asked for: nothing to wait for"
+    assert all(r == "stored" for r in ns.save_pages(keys, kv, range(8)).wait())
+    ns.flush()
+    del ns, store
+
+    def restore(warm: bool) -> tuple[dict[str, int], int]:
+        gc.collect()  # the directory's last owner is closed
+        store = Store(str(tmp_path / "cache"), g2_bytes=4 << 20, g3_bytes=16 << 20)
+        ns = store.namespace(layout, fingerprint="w", warm_read_buffers=warm)
+        assert ns.wait_warm(timeout=60)
+        before = ns.stats()
+        back = [torch.zeros_like(t) for t in kv]
+        assert all(r.tier == "g3" for r in ns.load_pages(keys, back, range(8)).wait())
+        assert all(torch.equal(a, b) for a, b in zip(kv, back))
+        return before, ns.stats()["fresh_buffers"] - before["fresh_buffers"]
+
+    warmed, fresh = restore(warm=True)
+    assert warmed["read_buffers_warm_target"] > len(keys), warmed
+    assert warmed["read_buffers_warmed"] == warmed["read_buffers_warm_target"], warmed
+    assert fresh == 0, f"{fresh} read buffers of a restore after the warming were fresh memory"
+    # The control: without warming, the same restore's buffers are fresh.
+    cold, fresh = restore(warm=False)
+    assert cold["read_buffers_warm_target"] == 0, cold
+    assert fresh >= len(keys), fresh
 
 
 def test_a_restarted_process_finds_the_blocks(tmp_path: Path) -> None:

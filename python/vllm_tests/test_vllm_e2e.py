@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class Observed:
     g4_keys: int = 0
     #: Per server log, how its worker said it copies pages.
     copy_modes: dict[str, str] = field(default_factory=dict)
+    #: Per server log, what its worker said of the read buffers it warmed.
+    warm_lines: dict[str, str] = field(default_factory=dict)
     figures: dict[str, Any] = field(default_factory=dict)
 
 
@@ -181,6 +184,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -
     for name in ("s1", "s4", "s5"):
         lines = _log_lines(logs / f"{name}.log", "kvtier: worker rank")
         obs.copy_modes[name] = lines[-1] if lines else ""
+    for name in ("s2", "s3"):
+        lines = _log_lines(logs / f"{name}.log", "read buffers")
+        obs.warm_lines[name] = lines[-1] if lines else ""
     obs.figures = {
         "ttft_fresh_s": obs.replies["A fresh"].ttft_s,
         "ttft_restored_s": obs.replies["A restored"].ttft_s,
@@ -213,6 +219,22 @@ def test_restart_restores_the_prefix(scenario: Observed, record: dict[str, Any])
     assert ext_hits(scenario, "A fresh") == 0
     assert scenario.replies["A restored"].text == scenario.reference["A"]
     assert scenario.replies["A fresh"].text == scenario.reference["A"]
+
+
+def test_the_first_restores_after_a_restart_take_no_fresh_memory(scenario: Observed) -> None:
+    # The first requests after a restart are restored wholly from kvtier.
+    # Their read buffers must be warm already: the worker waited for them
+    # before vLLM took requests (fresh memory faulted in on a restore's path
+    # made the first burst after a start several times slower).
+    for name in ("s2", "s3"):
+        line = scenario.warm_lines[name]
+        m = re.search(r"kvtier: (\d+) of (\d+) read buffers", line)
+        assert m and m.group(1) == m.group(2) and int(m.group(1)) > 0, line
+    for name in ("A restored", "A after kill"):
+        d = scenario.deltas[name]
+        assert d.get("vllm:kvtier_blocks_loaded_total", 0) > 0, d
+        assert "vllm:kvtier_fresh_buffers_total" in d, sorted(d)
+        assert d["vllm:kvtier_fresh_buffers_total"] == 0, d
 
 
 def test_second_node_restores_from_the_shared_g4(scenario: Observed) -> None:

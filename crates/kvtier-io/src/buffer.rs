@@ -53,6 +53,20 @@ pub unsafe trait HostAllocator: Send + Sync + fmt::Debug {
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout);
     /// A short name for logs and metrics ("system", "cuda-pinned").
     fn name(&self) -> &'static str;
+    /// Allocates one buffer of `layout`, faults every page of it in, and
+    /// keeps it for a later allocation of that layout, which then finds
+    /// resident memory (fresh memory faults in far slower than the disk
+    /// reads on some VMs). True if it was kept; the default keeps nothing
+    /// (an allocator that does not recycle has nowhere to keep it).
+    fn prefault(&self, layout: Layout) -> bool {
+        let _ = layout;
+        false
+    }
+    /// Allocations served with fresh memory from the system so far
+    /// (prefaulted ones included), for an allocator that counts them.
+    fn fresh_allocations(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The process's global allocator.
@@ -150,6 +164,17 @@ impl From<AllocError> for std::io::Error {
     }
 }
 
+/// The allocation an [`AlignedBuf`] of `len` bytes aligned to `align` (a
+/// power of two) takes: `len` rounded up to `align`. `None` for an
+/// alignment that is not a power of two, or a size too large.
+pub fn buffer_layout(len: usize, align: usize) -> Option<Layout> {
+    if !align.is_power_of_two() {
+        return None;
+    }
+    let cap = len.checked_add(align - 1)? & !(align - 1);
+    Layout::from_size_align(cap, align).ok()
+}
+
 /// An owned, initialised, aligned byte buffer with a length that can shrink
 /// and grow within its capacity (zero-filled unless made with
 /// [`AlignedBuf::for_overwrite_in`]).
@@ -206,11 +231,7 @@ impl AlignedBuf {
             align,
             allocator: alloc.name(),
         };
-        if !align.is_power_of_two() {
-            return Err(err());
-        }
-        let cap = len.checked_add(align - 1).ok_or_else(err)? & !(align - 1);
-        let layout = Layout::from_size_align(cap, align).map_err(|_| err())?;
+        let layout = buffer_layout(len, align).ok_or_else(err)?;
         let ptr = if zeroed {
             alloc.allocate_zeroed(layout)
         } else {

@@ -19,6 +19,7 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::buffer::{HostAllocator, SystemAllocator};
 
@@ -35,8 +36,16 @@ struct Cached {
 /// system allocator.
 #[derive(Debug)]
 pub struct RecyclingAllocator {
-    /// Freed (or reserved) allocations.
-    free: Mutex<Vec<Cached>>,
+    cache: Mutex<Cache>,
+    /// Allocations the cache could not serve (fresh memory from the system
+    /// allocator, faulted in on first use), prefaulted ones included.
+    fresh: AtomicU64,
+}
+
+/// Freed (or prefaulted) allocations, and how many may be kept.
+#[derive(Debug)]
+struct Cache {
+    free: Vec<Cached>,
     max_cached: usize,
 }
 
@@ -44,13 +53,16 @@ impl RecyclingAllocator {
     /// An allocator that keeps at most `max_cached` freed buffers.
     pub fn new(max_cached: usize) -> Self {
         Self {
-            free: Mutex::new(Vec::new()),
-            max_cached,
+            cache: Mutex::new(Cache {
+                free: Vec::new(),
+                max_cached,
+            }),
+            fresh: AtomicU64::new(0),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Cached>> {
-        self.free.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Allocates `count` buffers of `layout` from the system allocator,
@@ -58,26 +70,31 @@ impl RecyclingAllocator {
     /// later allocations (raising the cache limit if needed). Returns false
     /// when memory ran out (what was reserved stays cached).
     pub fn reserve(&mut self, layout: Layout, count: usize) -> bool {
-        for _ in 0..count {
-            let Some(ptr) = SystemAllocator.allocate_zeroed(layout) else {
-                return false;
-            };
-            touch_pages(ptr, layout.size());
-            let free = self.free.get_mut().unwrap_or_else(|p| p.into_inner());
-            free.push(Cached {
-                layout,
-                addr: ptr.as_ptr() as usize,
-                zeroed: true,
-            });
-            self.max_cached = self.max_cached.max(free.len());
-        }
+        (0..count).all(|_| self.prefault_one(layout))
+    }
+
+    /// One buffer of [`reserve`](Self::reserve), through a shared
+    /// reference: cached (and so handed out) as soon as it is faulted in.
+    fn prefault_one(&self, layout: Layout) -> bool {
+        let Some(ptr) = SystemAllocator.allocate_zeroed(layout) else {
+            return false;
+        };
+        self.fresh.fetch_add(1, Ordering::Relaxed);
+        touch_pages(ptr, layout.size());
+        let mut cache = self.lock();
+        cache.free.push(Cached {
+            layout,
+            addr: ptr.as_ptr() as usize,
+            zeroed: true,
+        });
+        cache.max_cached = cache.max_cached.max(cache.free.len());
         true
     }
 
     /// Zeroes every cached buffer that is not known to be zero, so that the
     /// next allocations need no `memset` (call it outside timed regions).
     pub fn rezero(&self) {
-        for c in self.lock().iter_mut().filter(|c| !c.zeroed) {
+        for c in self.lock().free.iter_mut().filter(|c| !c.zeroed) {
             // SAFETY: cached allocations are valid for `layout.size()` bytes
             // and referenced by nobody.
             unsafe { std::ptr::write_bytes(c.addr as *mut u8, 0, c.layout.size()) };
@@ -88,7 +105,7 @@ impl RecyclingAllocator {
     /// Bytes held in the cache.
     #[cfg(test)]
     pub fn cached_bytes(&self) -> usize {
-        self.lock().iter().map(|c| c.layout.size()).sum()
+        self.lock().free.iter().map(|c| c.layout.size()).sum()
     }
 }
 
@@ -110,7 +127,8 @@ impl RecyclingAllocator {
     /// allocator.
     fn allocate(&self, layout: Layout, zero: bool) -> Option<NonNull<u8>> {
         let reused = {
-            let mut free = self.lock();
+            let mut cache = self.lock();
+            let free = &mut cache.free;
             // Prefer a buffer that is already zero.
             let pos = free
                 .iter()
@@ -127,7 +145,10 @@ impl RecyclingAllocator {
                 }
                 Some(ptr)
             }
-            None => SystemAllocator.allocate_zeroed(layout),
+            None => {
+                self.fresh.fetch_add(1, Ordering::Relaxed);
+                SystemAllocator.allocate_zeroed(layout)
+            }
         }
     }
 }
@@ -149,24 +170,26 @@ unsafe impl HostAllocator for RecyclingAllocator {
 
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
         if layout.size() != 0 {
-            let mut free = self.lock();
+            let mut cache = self.lock();
+            let max_cached = cache.max_cached;
+            let free = &mut cache.free;
             // A full cache makes room by dropping a buffer of another
             // layout: buffers of a layout no longer asked for (the 4 KiB
             // header reads of an index rebuild) must not fill it for good
             // and turn every block buffer away.
-            let stale = if free.len() < self.max_cached {
+            let stale = if free.len() < max_cached {
                 None
             } else {
                 free.iter().position(|c| c.layout != layout)
             };
-            if free.len() < self.max_cached || stale.is_some() {
+            if free.len() < max_cached || stale.is_some() {
                 let evicted = stale.map(|i| free.swap_remove(i));
                 free.push(Cached {
                     layout,
                     addr: ptr.as_ptr() as usize,
                     zeroed: false,
                 });
-                drop(free);
+                drop(cache);
                 if let Some(c) = evicted
                     && let Some(old) = NonNull::new(c.addr as *mut u8)
                 {
@@ -185,11 +208,19 @@ unsafe impl HostAllocator for RecyclingAllocator {
     fn name(&self) -> &'static str {
         "recycling"
     }
+
+    fn prefault(&self, layout: Layout) -> bool {
+        self.prefault_one(layout)
+    }
+
+    fn fresh_allocations(&self) -> Option<u64> {
+        Some(self.fresh.load(Ordering::Relaxed))
+    }
 }
 
 impl Drop for RecyclingAllocator {
     fn drop(&mut self) {
-        for c in self.lock().drain(..) {
+        for c in self.lock().free.drain(..) {
             if let Some(ptr) = NonNull::new(c.addr as *mut u8) {
                 // SAFETY: cached allocations came from the system allocator
                 // with `c.layout` and are referenced by nobody.

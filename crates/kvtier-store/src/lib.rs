@@ -39,7 +39,7 @@ pub use metrics::{MetricsFormat, RemoteMetrics, StoreMetrics, Tier};
 pub use remote::{RemoteConfig, RemoteError, RemoteTier};
 pub use store::{
     DEFAULT_G3_SYNC, LayerSink, PrefixLookup, PutReport, SharedMemory, StoreConfig, StoreError,
-    StoreStats, StoredBlock, TieredStore,
+    StoreStats, StoredBlock, TieredStore, WarmProgress,
 };
 pub use transfer::{BlockRegions, BlockResult, Transfer};
 pub use verify::BlockSpec;

@@ -641,7 +641,7 @@ unsafe impl HostAllocator for Dirty {
 }
 
 #[test]
-fn a_g4_only_store_warms_its_read_buffers_and_reads_whole_blocks_into_dirty_ones() {
+fn a_g4_only_store_warms_its_read_buffers_and_its_reads_then_fault_in_no_fresh_memory() {
     let redis = RedisServer::start().unwrap();
     let ks = keys(0..8);
     let a = remote_store(None, RemoteConfig::new(redis.url()));
@@ -649,28 +649,51 @@ fn a_g4_only_store_warms_its_read_buffers_and_reads_whole_blocks_into_dirty_ones
     a.flush().unwrap();
 
     // No G3: G4 reads are what the warmed buffers are for.
-    let dirty = Arc::new(Dirty::default());
     let mut c = store_config(None, 16, 0);
     c.remote = Some(RemoteConfig::new(redis.url()));
     c.warm_read_buffers = true;
-    let alloc: Arc<dyn HostAllocator> = dirty.clone();
-    let b = TieredStore::open_with(c, IoEngine::shared().clone(), alloc).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while dirty.for_overwrite.load(Ordering::SeqCst) < 16 {
-        assert!(
-            Instant::now() < deadline,
-            "{} block buffers warmed, want at least the 16 G2 holds",
-            dirty.for_overwrite.load(Ordering::SeqCst)
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let b = open(c);
+    let warm = b
+        .wait_read_buffers_warm(Some(Duration::from_secs(60)))
+        .expect("warming was asked for");
+    assert!(
+        warm.done && warm.warmed == warm.target && warm.target >= 16,
+        "{warm:?}: want every buffer of the 16 blocks G2 holds warmed"
+    );
+    let fresh = b.fresh_buffers();
+    assert!(fresh.is_some(), "the store's own allocator counts");
+    let tiers = assert_all_hits(&ks, &b.get_many(&ks));
+    assert!(tiers.iter().all(|&t| t == Tier::G4), "{tiers:?}");
+    assert_eq!(
+        b.fresh_buffers(),
+        fresh,
+        "a G4 read took fresh memory after the warming"
+    );
+}
+
+#[test]
+fn g4_values_are_read_whole_into_block_buffers_full_of_old_bytes() {
+    let redis = RedisServer::start().unwrap();
+    let ks = keys(0..8);
+    let a = remote_store(None, RemoteConfig::new(redis.url()));
+    put(&a, &ks);
+    a.flush().unwrap();
 
     // Values shorter than a block (no disk padding), each read into a
     // buffer full of old bytes: whole and exact, none zeroed first.
+    let dirty = Arc::new(Dirty::default());
+    let mut c = store_config(None, 16, 0);
+    c.remote = Some(RemoteConfig::new(redis.url()));
+    let alloc: Arc<dyn HostAllocator> = dirty.clone();
+    let b = TieredStore::open_with(c, IoEngine::shared().clone(), alloc).unwrap();
     let zeroed = dirty.zeroed.load(Ordering::SeqCst);
     let tiers = assert_all_hits(&ks, &b.get_many(&ks));
     assert!(tiers.iter().all(|&t| t == Tier::G4), "{tiers:?}");
     assert_eq!(b.metrics().g4.corrupt_blocks.get(), 0);
+    assert!(
+        dirty.for_overwrite.load(Ordering::SeqCst) >= ks.len(),
+        "the reads took buffers for overwrite"
+    );
     assert_eq!(
         dirty.zeroed.load(Ordering::SeqCst),
         zeroed,

@@ -60,6 +60,7 @@ pub use layer_reads::{LayerSink, MAX_PAUSE, MIN_PART_BYTES};
 pub use shared_memory::SharedMemory;
 pub use store_error::StoreError;
 pub(crate) use tier_reads::Found;
+pub use warm_buffers::WarmProgress;
 use write_back::{LocalBlock, WriteBack};
 use write_through::WriteThrough;
 
@@ -102,9 +103,11 @@ pub struct StoreConfig {
     /// buffers G3 and G4 reads will take (as many as the G2 budget holds,
     /// plus the reads in flight), so a restore reads into resident memory
     /// instead of faulting fresh pages in on the cores others compute on
-    /// (`warm_buffers.rs`). Commits the G2 budget's memory at open (a
-    /// shared G2's whole budget for each store that asks: turn it on for
-    /// one). Default false; the engine turns it on.
+    /// (`warm_buffers.rs`); each buffer is usable as soon as it is warm,
+    /// and [`TieredStore::wait_read_buffers_warm`] waits for the last.
+    /// Commits the G2 budget's memory at open (a shared G2's whole budget
+    /// for each store that asks: turn it on for one). Default false; the
+    /// engine turns it on.
     pub warm_read_buffers: bool,
 }
 
@@ -264,6 +267,8 @@ struct Inner {
     persist_on_close: bool,
     metrics: Arc<StoreMetrics>,
     alloc: Arc<dyn HostAllocator>,
+    /// The read-buffer warming thread's progress, when asked for.
+    warming: Option<Arc<warm_buffers::Warming>>,
     readers: Workers,
     savers: Workers,
 }
@@ -349,12 +354,12 @@ impl TieredStore {
         };
         // G3 and G4 reads land in buffers of one size (a block's encoded
         // bytes, G3's slot), kept by G2 after the read.
-        if let Some(count) = warm
-            && (write_back.is_some() || config.remote.is_some())
-        {
-            let slot = usize::try_from(spec.layout.encoded_bytes()).unwrap_or(usize::MAX);
-            warm_buffers::warm_in_background(alloc.clone(), slot, count);
-        }
+        let warming = warm
+            .filter(|_| write_back.is_some() || config.remote.is_some())
+            .map(|count| {
+                let slot = usize::try_from(spec.layout.encoded_bytes()).unwrap_or(usize::MAX);
+                warm_buffers::warm_in_background(alloc.clone(), slot, count)
+            });
         let admission = config
             .admit_on_second_sighting
             .then(|| Mutex::new(SecondSighting::new(config.admission_window)));
@@ -378,6 +383,7 @@ impl TieredStore {
             persist_on_close: config.persist_on_close,
             metrics,
             alloc,
+            warming,
             readers,
             savers,
         });
@@ -400,6 +406,33 @@ impl TieredStore {
     /// The metrics (render with [`StoreMetrics::render`]).
     pub fn metrics(&self) -> &Arc<StoreMetrics> {
         &self.inner.metrics
+    }
+
+    /// How far the warming of read buffers got
+    /// ([`StoreConfig::warm_read_buffers`]); `None` when none was asked for
+    /// (or the store has neither G3 nor G4 to read from).
+    pub fn read_buffers_warm(&self) -> Option<WarmProgress> {
+        self.inner.warming.as_ref().map(|w| w.progress())
+    }
+
+    /// Waits until the warming of read buffers has ended, at most `limit`
+    /// (`None`: no limit); its progress then, `None` as for
+    /// [`read_buffers_warm`](Self::read_buffers_warm). An engine that takes
+    /// requests as soon as it starts waits here first, or its first restores
+    /// fault fresh memory in beside the warming thread.
+    pub fn wait_read_buffers_warm(
+        &self,
+        limit: Option<std::time::Duration>,
+    ) -> Option<WarmProgress> {
+        self.inner.warming.as_ref().map(|w| w.wait(limit))
+    }
+
+    /// Block buffers the store's allocator has served with fresh memory
+    /// from the system (faulted in on first use, the warmed ones included),
+    /// if it counts them (the recycling allocator of [`open`](Self::open)
+    /// does).
+    pub fn fresh_buffers(&self) -> Option<u64> {
+        self.inner.alloc.fresh_allocations()
     }
 
     /// The G3 tier, if configured.

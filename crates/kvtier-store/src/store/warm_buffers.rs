@@ -3,106 +3,158 @@
 //!
 //! A G3 or G4 hit is read into a buffer from the store's recycling
 //! allocator and then kept by G2, so until G2 is full every restore reads
-//! into fresh memory, and the kernel faults it in on the reading thread. On the
-//! reference VM fresh memory faults in at 1.4-1.8 GB/s: a 4,096-token
-//! prefix of the `small` preset (64 MiB) cost its reader threads about
-//! 46 ms of CPU, taken from the cores the decode step was using, and the
-//! decoders' steps ran 40-72 ms instead of 28 ms while it lasted
-//! (`kvtier-engine/examples/decode_beside_restore.rs`). Warmed buffers
+//! into fresh memory, and the kernel faults it in on the reading thread. On
+//! some VMs fresh memory faults in several times slower than the disk
+//! reads: the restores' reader threads then spend their CPU on page
+//! faults, taken from the cores an engine computes on. Warmed buffers
 //! move that cost to a background thread right after the store opens.
+//!
+//! Each buffer is handed to the allocator's cache as soon as it is faulted
+//! in ([`HostAllocator::prefault`]), so reads that come while the thread is
+//! still at work take the buffers already warm rather than fresh ones (a
+//! thread that held every buffer until the end made those reads fault
+//! memory of their own, twice the faults in all). [`Warming`] tells how far
+//! it got, and lets a caller wait for the end: an engine that takes
+//! requests right after a start (vLLM's worker) waits, so that its first
+//! burst of restores does not fault memory in beside the warming thread.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
+use kvtier_io::buffer::buffer_layout;
+use kvtier_io::{DIRECT_IO_ALIGN, HostAllocator};
+use parking_lot::{Condvar, Mutex};
 
-/// Starts a thread that allocates `count` read buffers of `slot_bytes`
-/// from `alloc`, writes every page of each, and then frees them all into
-/// `alloc`'s cache, where reads of that size take them. Holds no reference
-/// to the store, so closing the store never waits on it.
-pub(super) fn warm_in_background(alloc: Arc<dyn HostAllocator>, slot_bytes: usize, count: usize) {
+/// How far the warming thread got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WarmProgress {
+    /// Buffers faulted in and kept by the allocator so far.
+    pub warmed: usize,
+    /// Buffers asked for.
+    pub target: usize,
+    /// The thread has ended: every buffer is warm, or the allocator could
+    /// keep no more (it does not recycle, or memory ran out).
+    pub done: bool,
+}
+
+/// The warming thread's progress, shared with the store.
+#[derive(Debug, Default)]
+pub(crate) struct Warming {
+    progress: Mutex<WarmProgress>,
+    ended: Condvar,
+}
+
+impl Warming {
+    /// What the thread has done so far.
+    pub(crate) fn progress(&self) -> WarmProgress {
+        *self.progress.lock()
+    }
+
+    /// Waits until the thread has ended, at most `limit` (`None`: no
+    /// limit); its progress then.
+    pub(crate) fn wait(&self, limit: Option<Duration>) -> WarmProgress {
+        let deadline = limit.map(|l| Instant::now() + l);
+        let mut p = self.progress.lock();
+        while !p.done {
+            match deadline {
+                Some(d) => {
+                    if self.ended.wait_until(&mut p, d).timed_out() {
+                        break;
+                    }
+                }
+                None => self.ended.wait(&mut p),
+            }
+        }
+        *p
+    }
+
+    fn end(&self) {
+        self.progress.lock().done = true;
+        self.ended.notify_all();
+    }
+}
+
+/// Starts a thread that faults in `count` read buffers of `slot_bytes`
+/// (the allocation a read of that many bytes takes) through
+/// `alloc.prefault`, each kept by the allocator as soon as it is warm.
+/// Holds no reference to the store, so closing the store never waits on it.
+pub(super) fn warm_in_background(
+    alloc: Arc<dyn HostAllocator>,
+    slot_bytes: usize,
+    count: usize,
+) -> Arc<Warming> {
+    let warming = Arc::new(Warming {
+        progress: Mutex::new(WarmProgress {
+            target: count,
+            ..WarmProgress::default()
+        }),
+        ended: Condvar::new(),
+    });
+    let w = warming.clone();
     let spawned = std::thread::Builder::new()
         .name("kvtier-warm".into())
         .spawn(move || {
-            let mut held = Vec::with_capacity(count);
-            for _ in 0..count {
-                let Ok(mut buf) = AlignedBuf::for_overwrite_in(&alloc, slot_bytes, DIRECT_IO_ALIGN)
-                else {
-                    break;
-                };
-                buf.fill(0);
-                held.push(buf);
+            if let Some(layout) = buffer_layout(slot_bytes, DIRECT_IO_ALIGN) {
+                for _ in 0..count {
+                    if !alloc.prefault(layout) {
+                        break;
+                    }
+                    w.progress.lock().warmed += 1;
+                }
             }
-            // Dropped together, so each is a distinct buffer in the cache.
-            drop(held);
+            w.end();
         });
     if let Err(e) = spawned {
         tracing::warn!("cannot start the read-buffer warming thread: {e}");
+        warming.end();
     }
+    warming
 }
 
 #[cfg(test)]
 mod tests {
-    use std::alloc::Layout;
-    use std::ptr::NonNull;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::{Duration, Instant};
+    use std::collections::HashSet;
 
-    use kvtier_io::buffer::SystemAllocator;
+    use kvtier_io::AlignedBuf;
+    use kvtier_io::recycle::RecyclingAllocator;
 
     use super::*;
 
-    /// The system allocator, counting what it hands out and takes back,
-    /// and checking that each buffer comes back written as zeros.
-    #[derive(Debug, Default)]
-    struct Counting {
-        allocated: AtomicUsize,
-        freed_zeroed: AtomicUsize,
-    }
-
-    // SAFETY: delegates to the system allocator.
-    unsafe impl HostAllocator for Counting {
-        fn allocate_zeroed(&self, layout: Layout) -> Option<NonNull<u8>> {
-            self.allocated.fetch_add(1, Ordering::SeqCst);
-            let p = SystemAllocator.allocate_zeroed(layout)?;
-            // Mark it, so a buffer the warmer did not write is caught.
-            // SAFETY: a fresh allocation of `layout.size() >= 1` bytes.
-            unsafe { p.as_ptr().write(0xAB) };
-            Some(p)
-        }
-
-        unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-            // SAFETY: the buffer is valid for `layout.size()` bytes until freed.
-            let bytes = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), layout.size()) };
-            if bytes.iter().all(|&b| b == 0) {
-                self.freed_zeroed.fetch_add(1, Ordering::SeqCst);
+    #[test]
+    fn warms_distinct_buffers_that_reads_then_take_without_fresh_memory() {
+        let slot = 3 * 4096 + 100;
+        let alloc: Arc<dyn HostAllocator> = Arc::new(RecyclingAllocator::new(2));
+        let warming = warm_in_background(alloc.clone(), slot, 5);
+        let done = warming.wait(Some(Duration::from_secs(30)));
+        assert_eq!(
+            done,
+            WarmProgress {
+                warmed: 5,
+                target: 5,
+                done: true
             }
-            // SAFETY: allocated above with this layout.
-            unsafe { SystemAllocator.deallocate(ptr, layout) }
-        }
-
-        fn name(&self) -> &'static str {
-            "counting"
-        }
+        );
+        let fresh = alloc.fresh_allocations();
+        assert_eq!(fresh, Some(5), "five buffers faulted in, no more");
+        // Five reads' buffers: five distinct warm ones, none fresh.
+        let bufs: Vec<AlignedBuf> = (0..5)
+            .map(|_| AlignedBuf::for_overwrite_in(&alloc, slot, DIRECT_IO_ALIGN).unwrap())
+            .collect();
+        let addrs: HashSet<usize> = bufs.iter().map(|b| b.as_ptr() as usize).collect();
+        assert_eq!(addrs.len(), 5, "distinct buffers");
+        assert_eq!(alloc.fresh_allocations(), fresh, "a read took fresh memory");
+        // A sixth is fresh: the count is exact.
+        let _sixth = AlignedBuf::for_overwrite_in(&alloc, slot, DIRECT_IO_ALIGN).unwrap();
+        assert_eq!(alloc.fresh_allocations(), Some(6));
     }
 
     #[test]
-    fn warms_distinct_buffers_writes_every_byte_and_hands_them_back() {
-        let counting = Arc::new(Counting::default());
-        let alloc: Arc<dyn HostAllocator> = counting.clone();
-        warm_in_background(alloc, 3 * 4096 + 100, 5);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while counting.freed_zeroed.load(Ordering::SeqCst) < 5 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert_eq!(
-            counting.allocated.load(Ordering::SeqCst),
-            5,
-            "five distinct buffers"
-        );
-        assert_eq!(
-            counting.freed_zeroed.load(Ordering::SeqCst),
-            5,
-            "each written in full, then handed back"
-        );
+    fn an_allocator_that_keeps_nothing_ends_the_warming_at_once() {
+        let alloc = kvtier_io::system_allocator();
+        let warming = warm_in_background(alloc, 4096, 1000);
+        let done = warming.wait(Some(Duration::from_secs(30)));
+        assert!(done.done);
+        assert_eq!(done.warmed, 0);
+        assert_eq!(done.target, 1000);
     }
 }
