@@ -305,7 +305,11 @@ def main() -> int:
             continue
         filled.add(kind)
         log(f"{mode}: filling ({len(all_prompts)} sessions)")
-        with VllmServer(str(model), logs / f"{kind}-fill.log", cfg, kv_space_gb=kv_space, extra_args=args) as s:
+        # A clean stop (vLLM kills its worker at once on SIGTERM without
+        # --shutdown-timeout): kvtier's connector then waits for the last
+        # request's save, which a kill could lose (recomputed, not restored).
+        stop = ["--shutdown-timeout", "60"] if kind == "kvtier" else []
+        with VllmServer(str(model), logs / f"{kind}-fill.log", cfg, kv_space_gb=kv_space, extra_args=args + stop) as s:
             # One at a time: ExampleConnector saves a prompt whose
             # prefill was split across steps as its first chunk only,
             # and then crashes vLLM loading it ("shape mismatch: value
