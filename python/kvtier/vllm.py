@@ -844,8 +844,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._stats.is_empty():
             return None
         if self._ns is not None:
-            # Buffers are taken by loads and saves only, so a step without
-            # either has none to count.
+            # Only loads and saves take buffers: brought up to date when one
+            # has finished, the count loses none (a load still running is
+            # counted in a later interval).
             fresh = int(self._ns.stats().get("fresh_buffers", 0))
             self._stats.data["fresh_buffers"] += fresh - self._fresh_seen
             self._fresh_seen = fresh
