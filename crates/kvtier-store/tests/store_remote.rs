@@ -641,16 +641,21 @@ unsafe impl HostAllocator for Dirty {
 }
 
 #[test]
-fn a_g4_only_store_warms_its_read_buffers_and_its_reads_then_fault_in_no_fresh_memory() {
+fn a_g4_only_store_warms_its_read_buffers_and_reads_whole_blocks_into_dirty_ones() {
     let redis = RedisServer::start().unwrap();
     let ks = keys(0..8);
     let a = remote_store(None, RemoteConfig::new(redis.url()));
     put(&a, &ks);
     a.flush().unwrap();
-
     // No G3: G4 reads are what the warmed buffers are for.
-    let mut c = store_config(None, 16, 0);
-    c.remote = Some(RemoteConfig::new(redis.url()));
+    let g4_only = || {
+        let mut c = store_config(None, 16, 0);
+        c.remote = Some(RemoteConfig::new(redis.url()));
+        c
+    };
+
+    // Warmed: once the warming has ended, reads take no fresh memory.
+    let mut c = g4_only();
     c.warm_read_buffers = true;
     let b = open(c);
     let warm = b
@@ -669,23 +674,12 @@ fn a_g4_only_store_warms_its_read_buffers_and_its_reads_then_fault_in_no_fresh_m
         fresh,
         "a G4 read took fresh memory after the warming"
     );
-}
-
-#[test]
-fn g4_values_are_read_whole_into_block_buffers_full_of_old_bytes() {
-    let redis = RedisServer::start().unwrap();
-    let ks = keys(0..8);
-    let a = remote_store(None, RemoteConfig::new(redis.url()));
-    put(&a, &ks);
-    a.flush().unwrap();
 
     // Values shorter than a block (no disk padding), each read into a
     // buffer full of old bytes: whole and exact, none zeroed first.
     let dirty = Arc::new(Dirty::default());
-    let mut c = store_config(None, 16, 0);
-    c.remote = Some(RemoteConfig::new(redis.url()));
     let alloc: Arc<dyn HostAllocator> = dirty.clone();
-    let b = TieredStore::open_with(c, IoEngine::shared().clone(), alloc).unwrap();
+    let b = TieredStore::open_with(g4_only(), IoEngine::shared().clone(), alloc).unwrap();
     let zeroed = dirty.zeroed.load(Ordering::SeqCst);
     let tiers = assert_all_hits(&ks, &b.get_many(&ks));
     assert!(tiers.iter().all(|&t| t == Tier::G4), "{tiers:?}");
