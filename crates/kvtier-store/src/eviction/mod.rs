@@ -1,12 +1,27 @@
-//! Eviction policies, kept together:
+//! Eviction policies, kept together behind one trait ([`Eviction`]):
 //!
-//! * [`s3fifo`]: byte-weighted S3-FIFO over keys, for G2 (host memory),
-//!   where one-hit blocks must not push out the shared prefixes.
+//! * [`prefix_arc`]: kvtier's own policy for prefix KV (adaptive
+//!   replacement over the prefix forest's leaves), G2's default.
+//! * [`lru`]: LRU over the leaves of the prefix forest.
+//! * [`fifo`]: FIFO, flat over keys.
+//! * [`s3fifo`]: byte-weighted S3-FIFO over keys, flat.
+//! * [`leaves`]: the resident prefix forest with its leaves in priority
+//!   order, which the chain-aware policies share.
 //! * [`clock`]: CLOCK (second chance) over fixed slots, for G3, where a
 //!   victim is a slot to overwrite and pinned slots are never chosen.
 
 pub mod clock;
+pub mod fifo;
+pub mod leaves;
+pub mod lru;
+pub mod policy;
+pub mod prefix_arc;
 pub mod s3fifo;
 
 pub use clock::{Visit, sweep};
+pub use fifo::Fifo;
+pub use leaves::LeafQueue;
+pub use lru::Lru;
+pub use policy::{Eviction, EvictionKind};
+pub use prefix_arc::PrefixArc;
 pub use s3fifo::S3Fifo;

@@ -520,6 +520,45 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
     }
 }
 
+impl<K: Hash + Eq + Clone + Send + std::fmt::Debug> super::Eviction<K> for S3Fifo<K> {
+    fn name(&self) -> &'static str {
+        "s3fifo"
+    }
+
+    fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    fn used(&self) -> u64 {
+        self.used
+    }
+
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn contains(&self, key: &K) -> bool {
+        S3Fifo::contains(self, key)
+    }
+
+    fn touch(&mut self, key: &K) -> bool {
+        S3Fifo::touch(self, key)
+    }
+
+    /// Flat over keys: the parent is not used.
+    fn insert(&mut self, key: K, weight: u64, _parent: Option<&K>) -> Vec<K> {
+        S3Fifo::insert(self, key, weight)
+    }
+
+    fn remove(&mut self, key: &K) -> Option<u64> {
+        S3Fifo::remove(self, key)
+    }
+
+    fn evict_one(&mut self) -> Option<K> {
+        S3Fifo::evict_one(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,6 @@
+//! One reader per trace format, each into [`crate::Trace`].
+
+pub mod generic;
+pub mod mooncake;
+pub mod ragpulse;
+pub mod tester;

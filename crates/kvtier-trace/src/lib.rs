@@ -1,0 +1,25 @@
+//! Real traffic, simulated: public KV-cache traces read into one event
+//! stream, their statistics, a tier simulator that drives kvtier-store's own
+//! eviction policies beside the offline optimum, and a planner that turns
+//! hit rates into tier sizes, TTFT, energy and cost.
+//!
+//! * [`trace`]: the common event stream ([`Trace`], [`Request`]) and
+//!   [`read`], which picks a reader by [`Format`].
+//! * [`format`]: one reader per trace format.
+//! * [`stats`]: what `kvtier trace stats` prints.
+//! * [`prefix`]: a trace's blocks as nodes of one prefix tree.
+//! * [`sim`]: `kvtier trace sim`.
+//! * [`belady`]: the offline optimum (Belady with bypass).
+//! * [`plot`]: hit rate against capacity, as SVG.
+
+pub mod belady;
+pub mod format;
+pub mod plot;
+pub mod prefix;
+pub mod sim;
+pub mod stats;
+pub mod trace;
+mod trace_error;
+
+pub use trace::{Format, Request, Trace, read};
+pub use trace_error::TraceError;
