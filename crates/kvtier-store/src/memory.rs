@@ -1,8 +1,8 @@
 //! G2: the host-memory tier.
 //!
 //! Holds encoded blocks (header + payload, the same bytes G3 writes) in
-//! buffers from the store's allocation hook, up to a byte capacity, under the
-//! [`S3Fifo`] policy. Blocks are shared as `Arc<AlignedBuf>`: a reader holds
+//! buffers from the store's allocation hook, up to a byte capacity, under an
+//! eviction policy ([`EvictionKind`], kvtier's own by default). Blocks are shared as `Arc<AlignedBuf>`: a reader holds
 //! its block alive even if the tier evicts it meanwhile, so eviction can never
 //! pull memory from under a reader (the lease is the `Arc`).
 //!
@@ -18,7 +18,7 @@ use std::sync::Arc;
 use kvtier_io::AlignedBuf;
 use parking_lot::Mutex;
 
-use crate::eviction::S3Fifo;
+use crate::eviction::{Eviction, EvictionKind};
 use crate::key::BlockKey;
 use crate::metrics::TierMetrics;
 
@@ -49,7 +49,7 @@ struct Entry {
 #[derive(Debug)]
 struct Inner {
     map: HashMap<BlockKey, Entry>,
-    policy: S3Fifo<BlockKey>,
+    policy: Box<dyn Eviction<BlockKey>>,
 }
 
 /// The G2 tier. Thread-safe; every method takes `&self`.
@@ -60,13 +60,14 @@ pub struct MemoryTier {
 }
 
 impl MemoryTier {
-    /// A tier holding at most `capacity_bytes` of block buffers.
-    pub fn new(capacity_bytes: u64, metrics: TierMetrics) -> Self {
+    /// A tier holding at most `capacity_bytes` of block buffers under the
+    /// `eviction` policy.
+    pub fn new(capacity_bytes: u64, eviction: EvictionKind, metrics: TierMetrics) -> Self {
         metrics.capacity_bytes.set(capacity_bytes as i64);
         Self {
             inner: Mutex::new(Inner {
                 map: HashMap::new(),
-                policy: S3Fifo::new(capacity_bytes),
+                policy: eviction.build(capacity_bytes),
             }),
             metrics,
         }
@@ -126,13 +127,16 @@ impl MemoryTier {
 
     /// Inserts a block (replacing one under the same key) and returns the
     /// blocks evicted to make room. A block larger than the whole tier is
-    /// returned as evicted at once.
+    /// returned as evicted at once. `parent` is the block before it in its
+    /// prefix chain, when known: the chain-aware policies keep it while
+    /// this block is resident.
     pub fn insert(
         &self,
         owner: Owner,
         key: BlockKey,
         buf: Arc<AlignedBuf>,
         persisted: bool,
+        parent: Option<&BlockKey>,
     ) -> Vec<Evicted> {
         let weight = buf.capacity() as u64;
         let bytes = buf.len() as u64;
@@ -146,7 +150,7 @@ impl MemoryTier {
                 persisted,
             },
         );
-        let evicted_keys = inner.policy.insert(key, weight);
+        let evicted_keys = inner.policy.insert(key, weight, parent);
         let mut out = Vec::with_capacity(evicted_keys.len());
         for k in evicted_keys {
             if let Some(e) = inner.map.remove(&k) {
@@ -163,9 +167,7 @@ impl MemoryTier {
         }
         self.metrics.written_bytes.inc_by(bytes);
         self.metrics.written_blocks.inc();
-        self.metrics
-            .occupancy_bytes
-            .set(inner.policy.used_bytes() as i64);
+        self.metrics.occupancy_bytes.set(inner.policy.used() as i64);
         out
     }
 
@@ -181,9 +183,7 @@ impl MemoryTier {
         let mut inner = self.inner.lock();
         inner.policy.remove(key);
         let e = inner.map.remove(key)?;
-        self.metrics
-            .occupancy_bytes
-            .set(inner.policy.used_bytes() as i64);
+        self.metrics.occupancy_bytes.set(inner.policy.used() as i64);
         Some(Evicted {
             owner: e.owner,
             key: *key,
@@ -240,9 +240,7 @@ impl MemoryTier {
             }
         }
         self.metrics.evictions.inc_by(out.len() as u64);
-        self.metrics
-            .occupancy_bytes
-            .set(inner.policy.used_bytes() as i64);
+        self.metrics.occupancy_bytes.set(inner.policy.used() as i64);
         out
     }
 
@@ -259,12 +257,12 @@ impl MemoryTier {
 
     /// Bytes it may hold.
     pub fn capacity_bytes(&self) -> u64 {
-        self.inner.lock().policy.capacity_bytes()
+        self.inner.lock().policy.capacity()
     }
 
     /// Bytes held.
     pub fn used_bytes(&self) -> u64 {
-        self.inner.lock().policy.used_bytes()
+        self.inner.lock().policy.used()
     }
 
     /// Blocks held.
@@ -294,10 +292,10 @@ mod tests {
 
     #[test]
     fn capacity_is_kept_and_evictions_returned() {
-        let tier = MemoryTier::new(4 * 4096, TierMetrics::default());
+        let tier = MemoryTier::new(4 * 4096, EvictionKind::default(), TierMetrics::default());
         let mut evicted = Vec::new();
         for i in 0..10 {
-            evicted.extend(tier.insert(0, key(i), block(i), false));
+            evicted.extend(tier.insert(0, key(i), block(i), false, None));
             assert!(tier.used_bytes() <= 4 * 4096);
         }
         assert_eq!(tier.len() + evicted.len(), 10);
@@ -312,10 +310,10 @@ mod tests {
 
     #[test]
     fn reader_keeps_block_alive_across_eviction() {
-        let tier = MemoryTier::new(4096, TierMetrics::default());
-        tier.insert(0, key(1), block(1), false);
+        let tier = MemoryTier::new(4096, EvictionKind::default(), TierMetrics::default());
+        tier.insert(0, key(1), block(1), false, None);
         let held = tier.get(&key(1)).unwrap();
-        let out = tier.insert(0, key(2), block(2), false);
+        let out = tier.insert(0, key(2), block(2), false, None);
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].key, key(1));
         assert!(held.iter().all(|&b| b == 1));
@@ -323,10 +321,10 @@ mod tests {
 
     #[test]
     fn persisted_flag_survives_reinsert_and_dirty_lists_the_rest() {
-        let tier = MemoryTier::new(1 << 20, TierMetrics::default());
-        tier.insert(0, key(1), block(1), true);
-        tier.insert(0, key(2), block(2), false);
-        tier.insert(0, key(1), block(1), false);
+        let tier = MemoryTier::new(1 << 20, EvictionKind::default(), TierMetrics::default());
+        tier.insert(0, key(1), block(1), true, None);
+        tier.insert(0, key(2), block(2), false, None);
+        tier.insert(0, key(1), block(1), false, None);
         let dirty: Vec<_> = tier.dirty(0).into_iter().map(|(k, _)| k).collect();
         assert_eq!(dirty, vec![key(2)]);
         tier.mark_persisted(&key(2));
@@ -340,16 +338,16 @@ mod tests {
 
     #[test]
     fn owners_share_the_budget_and_drain_apart() {
-        let tier = MemoryTier::new(4 * 4096, TierMetrics::default());
-        tier.insert(1, key(1), block(1), false);
-        tier.insert(2, key(2), block(2), false);
-        tier.insert(1, key(3), block(3), true);
+        let tier = MemoryTier::new(4 * 4096, EvictionKind::default(), TierMetrics::default());
+        tier.insert(1, key(1), block(1), false, None);
+        tier.insert(2, key(2), block(2), false, None);
+        tier.insert(1, key(3), block(3), true, None);
         assert_eq!(tier.dirty(1).len(), 1);
         assert_eq!(tier.dirty(2).len(), 1);
         // Owner 2 filling the budget evicts owner 1's blocks, labelled as 1's.
         let mut evicted = Vec::new();
         for i in 10..14 {
-            evicted.extend(tier.insert(2, key(i), block(i), false));
+            evicted.extend(tier.insert(2, key(i), block(i), false, None));
         }
         assert!(evicted.iter().any(|e| e.owner == 1 && e.key == key(1)));
         for e in &evicted {
@@ -358,8 +356,8 @@ mod tests {
         let two = tier.drain_owner(2);
         assert!(two.iter().all(|e| e.owner == 2));
         assert!(tier.is_empty(), "only owner 2 was left");
-        tier.insert(1, key(1), block(1), false);
-        tier.insert(2, key(2), block(2), false);
+        tier.insert(1, key(1), block(1), false, None);
+        tier.insert(2, key(2), block(2), false, None);
         assert_eq!(tier.drain_owner(1).len(), 1);
         assert!(tier.contains(&key(2)) && !tier.contains(&key(1)));
         assert_eq!(tier.used_bytes(), 4096);

@@ -48,6 +48,7 @@ use parking_lot::Mutex;
 use crate::admission::SecondSighting;
 use crate::block::{BlockBuf, BlockError, HEADER_BYTES, encode_block};
 use crate::disk::{DiskConfig, DiskTier};
+use crate::eviction::EvictionKind;
 use crate::handle::Handle;
 use crate::key::{BlockKey, ModelFingerprint};
 use crate::kv_layout::KvLayout;
@@ -85,6 +86,10 @@ pub struct StoreConfig {
     pub admit_on_second_sighting: bool,
     /// Distinct keys the admission filter remembers.
     pub admission_window: usize,
+    /// G2's eviction policy (default kvtier's own,
+    /// [`EvictionKind::Kvtier`]); ignored with `shared_memory`, which has
+    /// its own.
+    pub eviction: EvictionKind,
     /// Bytes of evicted blocks that may wait for write-back before puts wait.
     pub writeback_max_bytes: u64,
     /// Write dirty G2 blocks to G3 when the store closes.
@@ -122,6 +127,7 @@ impl StoreConfig {
             disk: None,
             admit_on_second_sighting: false,
             admission_window: 1 << 20,
+            eviction: EvictionKind::default(),
             writeback_max_bytes: 256 << 20,
             persist_on_close: true,
             g3_sync: Some(DEFAULT_G3_SYNC),
@@ -323,7 +329,11 @@ impl TieredStore {
             ),
             None => {
                 let metrics = Arc::new(StoreMetrics::new());
-                let memory = Arc::new(MemoryTier::new(config.memory_bytes, metrics.g2.clone()));
+                let memory = Arc::new(MemoryTier::new(
+                    config.memory_bytes,
+                    config.eviction,
+                    metrics.g2.clone(),
+                ));
                 (metrics, memory, 0)
             }
         };
@@ -532,8 +542,9 @@ impl TieredStore {
     pub fn put_many(&self, blocks: &[(BlockKey, &[u8])]) -> Result<PutReport, StoreError> {
         let inner = &self.inner;
         let mut encoded = Vec::with_capacity(blocks.len());
+        let mut parents = Vec::with_capacity(blocks.len());
         let mut present = 0;
-        for (key, payload) in blocks {
+        for (i, (key, payload)) in blocks.iter().enumerate() {
             if inner.memory.contains(key) {
                 present += 1;
                 continue;
@@ -547,9 +558,10 @@ impl TieredStore {
                 &inner.alloc,
             )?;
             encoded.push((*key, Arc::new(buf)));
+            parents.push(i.checked_sub(1).map(|p| blocks[p].0));
         }
         self.record_sightings(blocks.iter().map(|(k, _)| k));
-        let mut report = self.insert(encoded, true);
+        let mut report = self.insert(encoded, &parents, true);
         report.present += present;
         Ok(report)
     }
@@ -590,22 +602,32 @@ impl TieredStore {
         self.record_sightings(blocks.iter().map(|(k, _)| k));
         let mut present = 0;
         let mut encoded = Vec::with_capacity(blocks.len());
+        let mut parents = Vec::with_capacity(blocks.len());
+        let mut before = None;
         for (key, block) in blocks {
+            let parent = before.replace(key);
             if inner.memory.contains(&key) {
                 present += 1;
                 continue;
             }
             encoded.push((key, Arc::new(block.seal(key, inner.fingerprint, 0))));
+            parents.push(parent);
         }
-        let mut report = self.insert(encoded, wait);
+        let mut report = self.insert(encoded, &parents, wait);
         report.present += present;
         report
     }
 
-    /// Writes encoded blocks through to G4, inserts them into G2 and
+    /// Writes encoded blocks through to G4, inserts them into G2 (each
+    /// under its parent, the block before it in the caller's chain) and
     /// demotes what G2 evicts; `wait` for room in the write-back queue
     /// first, or drop past its bound.
-    fn insert(&self, encoded: Vec<LocalBlock>, wait: bool) -> PutReport {
+    fn insert(
+        &self,
+        encoded: Vec<LocalBlock>,
+        parents: &[Option<BlockKey>],
+        wait: bool,
+    ) -> PutReport {
         let inner = &self.inner;
         self.write_through(&encoded);
         if wait && let Some(w) = &inner.write_back {
@@ -617,9 +639,13 @@ impl TieredStore {
         };
         let stored = encoded.len();
         let mut evicted = Vec::new();
-        for ((key, buf), persisted) in encoded.into_iter().zip(persisted) {
+        for (((key, buf), persisted), parent) in encoded.into_iter().zip(persisted).zip(parents) {
             // A block G3 already holds needs no write-back when evicted.
-            evicted.extend(inner.memory.insert(inner.owner, key, buf, persisted));
+            evicted.extend(
+                inner
+                    .memory
+                    .insert(inner.owner, key, buf, persisted, parent.as_ref()),
+            );
         }
         self.demote(evicted, !wait);
         PutReport { stored, present: 0 }

@@ -14,6 +14,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 
 use super::{Inner, TieredStore};
+use crate::eviction::EvictionKind;
 use crate::memory::{Evicted, MemoryTier, Owner};
 use crate::metrics::TierMetrics;
 
@@ -47,12 +48,18 @@ impl std::fmt::Debug for SharedMemory {
 }
 
 impl SharedMemory {
-    /// A budget of `capacity_bytes` of block buffers.
+    /// A budget of `capacity_bytes` of block buffers under kvtier's
+    /// eviction policy.
     pub fn new(capacity_bytes: u64) -> Self {
+        Self::with_eviction(capacity_bytes, EvictionKind::default())
+    }
+
+    /// A budget of `capacity_bytes` under the `eviction` policy.
+    pub fn with_eviction(capacity_bytes: u64, eviction: EvictionKind) -> Self {
         let metrics = TierMetrics::default();
         Self {
             shared: Arc::new(Shared {
-                memory: Arc::new(MemoryTier::new(capacity_bytes, metrics.clone())),
+                memory: Arc::new(MemoryTier::new(capacity_bytes, eviction, metrics.clone())),
                 metrics,
                 owners: Mutex::new(Owners {
                     // 0 is the owner of stores that share nothing.

@@ -328,6 +328,7 @@ impl TieredStore {
                             keys[i],
                             b.buf.clone(),
                             true,
+                            i.checked_sub(1).map(|p| &keys[p]),
                         ));
                         Found::Hit(b)
                     }
@@ -352,11 +353,13 @@ impl TieredStore {
             };
             if let Found::Hit(b) = &found {
                 // Not persisted locally: G3 gets it when G2 evicts it.
-                evicted.extend(
-                    inner
-                        .memory
-                        .insert(inner.owner, keys[i], b.buf.clone(), false),
-                );
+                evicted.extend(inner.memory.insert(
+                    inner.owner,
+                    keys[i],
+                    b.buf.clone(),
+                    false,
+                    i.checked_sub(1).map(|p| &keys[p]),
+                ));
             }
             out[i] = found;
         }
