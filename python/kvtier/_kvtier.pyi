@@ -186,6 +186,7 @@ class Store:
         g3_bytes: int = ...,
         remote: str | None = None,
         g3_sync_ms: int = ...,
+        eviction: str = ...,
     ) -> None: ...
     def namespace(
         self,

@@ -259,7 +259,10 @@ class Store:
     pool at ``remote`` (``redis://``, ``rediss://``, ``redis+cluster://``,
     ``s3://``) if given. Blocks that live only in host memory are written
     to disk within about ``g3_sync_ms`` (0: only when evicted, flushed or
-    closed), so a killed process loses at most that much."""
+    closed), so a killed process loses at most that much. ``eviction`` is
+    host memory's policy: ``"kvtier"`` (kvtier's own, the default),
+    ``"lru"``, ``"fifo"`` or ``"s3fifo"`` (docs/store.md says why the
+    default wins); an unknown name is a ``ValueError``."""
 
     def __init__(
         self,
@@ -268,8 +271,9 @@ class Store:
         g3_bytes: int = 8 << 30,
         remote: str | None = None,
         g3_sync_ms: int = 1000,
+        eviction: str = "kvtier",
     ) -> None:
-        self._store = _kvtier.Store(str(cache_dir), g2_bytes, g3_bytes, remote, g3_sync_ms)
+        self._store = _kvtier.Store(str(cache_dir), g2_bytes, g3_bytes, remote, g3_sync_ms, eviction)
 
     def namespace(
         self,

@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use kvtier_store::eviction::EvictionKind;
 use kvtier_store::{
     Arrangement, BlockRegions, BlockResult as StoreResult, DiskConfig, KeyChain, KvCodec, KvDtype,
     KvLayout, ModelFingerprint, Part, RemoteConfig, SharedMemory, StoreConfig, Tier, TieredStore,
@@ -591,16 +592,19 @@ impl Store {
     /// Opens a store over `cache_dir` (created if missing): `g2_bytes` of
     /// host memory for every namespace together, `g3_bytes` of disk per
     /// namespace, and the G4 pool at `remote` if given; blocks only in
-    /// host memory reach disk within about `g3_sync_ms` (0: off).
+    /// host memory reach disk within about `g3_sync_ms` (0: off). `eviction`
+    /// is host memory's policy (`kvtier`, `lru`, `fifo`, `s3fifo`).
     #[new]
-    #[pyo3(signature = (cache_dir, g2_bytes = 1 << 30, g3_bytes = 8 << 30, remote = None, g3_sync_ms = 1000))]
+    #[pyo3(signature = (cache_dir, g2_bytes = 1 << 30, g3_bytes = 8 << 30, remote = None, g3_sync_ms = 1000, eviction = "kvtier"))]
     fn new(
         cache_dir: PathBuf,
         g2_bytes: u64,
         g3_bytes: u64,
         remote: Option<String>,
         g3_sync_ms: u64,
+        eviction: &str,
     ) -> PyResult<Self> {
+        let eviction: EvictionKind = eviction.parse().map_err(bad)?;
         if let Some(url) = &remote {
             // Checked now, so a bad URL fails here, not at the first namespace.
             kvtier_store::remote::parse_target(url).map_err(store_error)?;
@@ -620,7 +624,7 @@ impl Store {
             g3_bytes,
             g3_sync: (g3_sync_ms > 0).then(|| std::time::Duration::from_millis(g3_sync_ms)),
             remote,
-            shared: SharedMemory::new(g2_bytes),
+            shared: SharedMemory::with_eviction(g2_bytes, eviction),
             namespaces: Mutex::new(HashMap::new()),
         })
     }

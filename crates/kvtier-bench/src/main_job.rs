@@ -294,6 +294,7 @@ fn in_process(opts: &MainJobOptions) -> Result<InProcess> {
         remote: None,
         g3_sync: None,
         codec: opts.kv_offload_codec,
+        eviction: Default::default(),
     };
     let engine = Engine::load(&model_dir, engine_opts, Some(store))
         .with_step(|| format!("loading the model in {}", model_dir.display()))?;

@@ -37,6 +37,7 @@ fn run_tiny(codec: KvCodec, pair_cache_drop: bool, drops_work: bool) -> (BenchRe
         disk_bytes: 64 << 20,
         remote: None,
         g3_sync: None,
+        eviction: Default::default(),
     };
     let engine = Engine::load(model.path(), opts, Some(store)).unwrap();
     let tok = TextTokenizer::from_dir(model.path()).unwrap();

@@ -115,6 +115,7 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
 fn store(a: &Args, cache: &Path) -> StoreOptions {
     StoreOptions {
         codec: a.codec,
+        eviction: Default::default(),
         memory_bytes: 1 << 30,
         disk_dirs: if a.g4 {
             vec![]

@@ -121,6 +121,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let store = StoreOptions {
         codec: args.codec,
+        eviction: Default::default(),
         memory_bytes: 1 << 30,
         disk_dirs: vec![cache.clone()],
         disk_bytes: 8 << 30,

@@ -35,6 +35,7 @@ fn main() -> Result<(), EngineError> {
     };
     let store = StoreOptions {
         codec: kvtier_store::KvCodec::None,
+        eviction: Default::default(),
         memory_bytes: 1 << 30,
         disk_dirs: vec![cache.clone()],
         disk_bytes: 4 << 30,

@@ -103,6 +103,8 @@ pub struct StoreOptions {
     /// ([`StoreConfig::g3_sync`]): `None` is the store's default
     /// ([`kvtier_store::DEFAULT_G3_SYNC`]), zero turns it off.
     pub g3_sync: Option<std::time::Duration>,
+    /// G2's eviction policy (`--eviction`).
+    pub eviction: kvtier_store::eviction::EvictionKind,
     /// How G2, G3 and G4 store the KV (`--kv-offload-codec`): G1 keeps f32;
     /// blocks are coded as they are offloaded and decoded into G1 pages as
     /// they are restored ([`KvCodec`]).
@@ -235,6 +237,7 @@ impl Engine {
                     .map_err(|e| EngineError::Request(e.to_string()))?;
                 let mut sc = StoreConfig::new(layout, fingerprint);
                 sc.memory_bytes = so.memory_bytes;
+                sc.eviction = so.eviction;
                 if !so.disk_dirs.is_empty() {
                     sc.disk = Some(DiskConfig::new(so.disk_dirs, so.disk_bytes, layout));
                 }

@@ -68,6 +68,7 @@ fn session(model: &Path) -> Answers {
     };
     let store = StoreOptions {
         codec: KvCodec::None,
+        eviction: Default::default(),
         memory_bytes: 64 << 20,
         disk_dirs: vec![cache.path().to_path_buf()],
         disk_bytes: 64 << 20,

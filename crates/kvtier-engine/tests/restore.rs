@@ -46,6 +46,7 @@ fn store_opts_coded(cache: &Path, codec: KvCodec) -> StoreOptions {
         disk_bytes: 64 << 20,
         remote: None,
         g3_sync: None,
+        eviction: Default::default(),
     }
 }
 

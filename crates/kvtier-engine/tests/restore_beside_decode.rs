@@ -36,6 +36,7 @@ fn engine(model: &Path, remote: Option<&str>) -> Engine {
         r.timeout = Duration::from_secs(20);
         StoreOptions {
             codec: kvtier_store::KvCodec::None,
+            eviction: Default::default(),
             memory_bytes: 64 << 20,
             disk_dirs: vec![],
             disk_bytes: 0,

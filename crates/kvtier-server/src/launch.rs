@@ -349,6 +349,7 @@ fn store_options(opts: &ServeOptions) -> Result<Option<StoreOptions>, ServeError
         remote,
         g3_sync: Some(opts.g3_sync),
         codec: opts.kv_offload_codec,
+        eviction: opts.eviction,
     }))
 }
 

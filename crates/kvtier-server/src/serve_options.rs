@@ -44,6 +44,8 @@ pub struct ServeOptions {
     /// only on eviction and at a clean stop) (default: 1 s,
     /// [`kvtier_store::DEFAULT_G3_SYNC`]).
     pub g3_sync: Duration,
+    /// G2's eviction policy (`--eviction`).
+    pub eviction: kvtier_store::eviction::EvictionKind,
     /// How G2, G3 and G4 store KV blocks (`--kv-offload-codec`; G1 keeps
     /// f32) (default: none).
     pub kv_offload_codec: kvtier_store::KvCodec,
@@ -108,6 +110,7 @@ impl Default for ServeOptions {
             g3_bytes: 16 << 30,
             g3_sync: kvtier_store::DEFAULT_G3_SYNC,
             kv_offload_codec: kvtier_store::KvCodec::None,
+            eviction: kvtier_store::eviction::EvictionKind::default(),
             max_seq_tokens: 8192,
             max_prompt_tokens: None,
             max_batch: 8,

@@ -72,6 +72,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     pub g2_bytes: u64,
 
+    /// G2's eviction policy: kvtier (kvtier's own: adaptive replacement over
+    /// the leaves of the prefix forest; docs/store.md), lru, fifo or s3fifo.
+    #[arg(long, value_name = "POLICY", default_value = "kvtier")]
+    pub eviction: kvtier_store::eviction::EvictionKind,
+
     /// G3 (disk, under --cache-dir) capacity of the KV store (0: none).
     #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = parse_size)]
     pub g3_bytes: u64,
@@ -212,6 +217,7 @@ impl ServeArgs {
             g3_bytes: self.g3_bytes,
             g3_sync: std::time::Duration::from_millis(self.g3_sync_ms),
             kv_offload_codec: self.kv_offload_codec,
+            eviction: self.eviction,
             max_seq_tokens: self.max_seq_tokens as usize,
             max_prompt_tokens: self.max_prompt_tokens.map(|n| n as usize),
             max_batch: self.max_batch as usize,
