@@ -8,12 +8,14 @@
 //! * [`format`]: one reader per trace format.
 //! * [`stats`]: what `kvtier trace stats` prints.
 //! * [`prefix`]: a trace's blocks as nodes of one prefix tree.
+//! * [`model_kv`]: KV bytes per token of a model (config.json or preset).
 //! * [`sim`]: `kvtier trace sim`.
 //! * [`belady`]: the offline optimum (Belady with bypass).
 //! * [`plot`]: hit rate against capacity, as SVG.
 
 pub mod belady;
 pub mod format;
+pub mod model_kv;
 pub mod plot;
 pub mod prefix;
 pub mod sim;

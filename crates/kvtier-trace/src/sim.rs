@@ -264,3 +264,83 @@ pub fn gap_closed(points: &[Point]) -> BTreeMap<String, f64> {
     }
     out
 }
+
+/// The points as the text table of `kvtier trace sim`: a row per
+/// capacity, a column per policy (token hit rate, %), the mean over
+/// capacities and the share of the LRU-to-optimum gap kvtier closes.
+pub fn text(
+    points: &[Point],
+    unique: usize,
+    bytes_per_block: Option<u64>,
+    gap: &BTreeMap<String, f64>,
+) -> String {
+    let mut policies: Vec<&str> = Vec::new();
+    let mut capacities: Vec<u64> = Vec::new();
+    for p in points {
+        if !policies.contains(&p.policy.as_str()) {
+            policies.push(&p.policy);
+        }
+        if !capacities.contains(&p.capacity_blocks) {
+            capacities.push(p.capacity_blocks);
+        }
+    }
+    let mut out = format!("{:>10} {:>8} {:>10}", "blocks", "% uniq", "bytes");
+    for p in &policies {
+        out += &format!(" {p:>8}");
+    }
+    out += &format!(" {:>10}\n", "gap closed");
+    let at = |policy: &str, c: u64| {
+        points
+            .iter()
+            .find(|p| p.policy == policy && p.capacity_blocks == c)
+    };
+    for &c in &capacities {
+        let bytes = bytes_per_block.map_or("-".to_owned(), |b| human_bytes(b.saturating_mul(c)));
+        out += &format!(
+            "{c:>10} {:>8.2} {bytes:>10}",
+            c as f64 * 100.0 / unique.max(1) as f64
+        );
+        for p in &policies {
+            match at(p, c) {
+                Some(pt) => {
+                    let mark = if pt.filled_before_measurement {
+                        ' '
+                    } else {
+                        '*'
+                    };
+                    out += &format!(" {:>7.2}{mark}", pt.hit_rate_tokens * 100.0);
+                }
+                None => out += &format!(" {:>8}", "-"),
+            }
+        }
+        match gap.get(&c.to_string()) {
+            Some(g) => out += &format!(" {:>9.1}%\n", g * 100.0),
+            None => out += &format!(" {:>10}\n", "-"),
+        }
+    }
+    out += &format!("{:>10} {:>8} {:>10}", "mean", "", "");
+    for p in &policies {
+        let v: Vec<f64> = points
+            .iter()
+            .filter(|x| x.policy == *p)
+            .map(|x| x.hit_rate_tokens)
+            .collect();
+        out += &format!(
+            " {:>7.2} ",
+            v.iter().sum::<f64>() * 100.0 / v.len().max(1) as f64
+        );
+    }
+    out += "\n(token hit rates, %, over the measured requests; * the tier was not full before the measured part)\n";
+    out
+}
+
+fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1}{}", UNITS[u])
+}

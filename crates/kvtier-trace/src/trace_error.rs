@@ -7,12 +7,12 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
     /// The file or folder cannot be opened or read.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A line (or, for whole-file JSON, a position) is malformed.
     #[error("{path}:{line}: {why}")]
@@ -67,7 +67,7 @@ impl TraceError {
     pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> Self {
         Self::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         }
     }
 }

@@ -88,6 +88,11 @@ pub enum Command {
     /// `kvtier serve`'s config file: `--print-default` prints every key at
     /// its default with each flag's help as comments (for `serve --config`).
     Config(ConfigArgs),
+
+    /// Public KV-cache traces (Mooncake, RAGPulse, agentic sessions, a
+    /// generic JSONL) through kvtier's own tier policies: `stats` and `sim`.
+    #[command(subcommand)]
+    Trace(crate::cmd_trace::TraceCommand),
 }
 
 /// `kvtier model ...` commands.

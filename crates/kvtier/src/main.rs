@@ -12,6 +12,8 @@
 //! * `kvtier serve`: the OpenAI-compatible HTTP server (`kvtier-server`).
 //! * `kvtier prefill`: compute a prompt's KV and leave it in the G4 pool.
 //! * `kvtier config --print-default`: `serve`'s whole config file.
+//! * `kvtier trace stats|sim`: public KV-cache traces through kvtier's own
+//!   tier policies beside LRU, FIFO and the offline optimum.
 //!
 //! Errors go to stderr with their causes, and the exit status is non-zero.
 
@@ -24,6 +26,7 @@ mod cmd_model_init;
 mod cmd_prefill;
 mod cmd_serve;
 mod cmd_store;
+mod cmd_trace;
 mod print_report;
 mod remote_flags;
 mod serve_config;
@@ -62,6 +65,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Checkpoint(CheckpointCommand::Bench(args)) => cmd_model::checkpoint_bench(&args),
         Command::Serve(args) => cmd_serve::run(&args),
         Command::Prefill(args) => cmd_prefill::run(&args),
+        Command::Trace(cmd) => cmd_trace::run(&cmd),
         Command::Config(args) => {
             if args.print_default {
                 print!("{}", serve_config::print_default());
