@@ -283,6 +283,31 @@ def test_a_restore_after_the_warming_takes_no_fresh_memory(tmp_path: Path) -> No
     assert fresh >= len(keys), fresh
 
 
+@pytest.mark.parametrize(("eviction", "head_in"), [("kvtier", "g2"), ("lru", "g2"), ("fifo", "g3")])
+def test_the_eviction_policy_is_chosen_and_the_prefix_aware_ones_keep_a_chains_head(
+    tmp_path: Path, eviction: str, head_in: str
+) -> None:
+    layout = Layout(2, 1, 16, 4)
+    probe = Store(str(tmp_path / "probe"), g2_bytes=64 << 20, g3_bytes=64 << 20)
+    ns = probe.namespace(layout, fingerprint="m")
+    src = pages(layout, 1, 0, "f32")
+    ns.save([b"p"], [region_views(layout, src, 0)]).wait()
+    block_bytes = probe.metrics()["g2_used_bytes"]
+    # G2 holds three blocks. A chain h -> x is saved in one call, then y and
+    # z: room for z must go. FIFO drops the oldest, the head h; LRU and
+    # kvtier drop leaves only, so h stays while x is gone.
+    store = Store(str(tmp_path / "c"), g2_bytes=3 * block_bytes, g3_bytes=64 << 20, eviction=eviction)
+    ns = store.namespace(layout, fingerprint="m")
+    src = pages(layout, 4, 1, "f32")
+    for keys, blocks in (([b"h", b"x"], [0, 1]), ([b"y"], [2]), ([b"z"], [3])):
+        ns.save(keys, [region_views(layout, src, b) for b in blocks]).wait()
+    dst = [np.zeros_like(t) for t in src]
+    got = ns.load([b"h"], [region_views(layout, dst, 0)]).wait()
+    assert got[0] == "hit" and got[0].tier == head_in, (eviction, got)
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        Store(str(tmp_path / "d"), eviction="mru")
+
+
 def test_a_restarted_process_finds_the_blocks(tmp_path: Path) -> None:
     layout = Layout.vllm_cpu(2, 1, 64, block_tokens=16)
     src = pages(layout, 8, 7, "f32")
