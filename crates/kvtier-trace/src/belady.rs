@@ -22,11 +22,13 @@ pub fn run(tree: &PrefixTree, capacity: u64, from: usize) -> Outcome {
     let mut q: LeafQueue<u32> = LeafQueue::new();
     let mut protected = vec![u32::MAX; tree.parent.len()];
     let mut hits = Hits::default();
+    let mut request_hits = Vec::new();
     let (mut writes, mut filled) = (0u64, false);
     // Lower priorities go first: the furthest next use is the lowest.
     let priority = |next: u32| u64::from(NEVER - next);
     for (i, r) in tree.requests.iter().enumerate() {
         let mut alive = true;
+        let before = hits.hit_tokens;
         for e in r.clone() {
             let n = tree.node[e];
             let hit = q.contains(&n);
@@ -72,10 +74,14 @@ pub fn run(tree: &PrefixTree, capacity: u64, from: usize) -> Outcome {
                 break;
             }
         }
+        if i >= from {
+            request_hits.push((hits.hit_tokens - before) as u32);
+        }
     }
     Outcome {
         hits,
         writes,
         filled_before_measurement: filled,
+        request_hits,
     }
 }

@@ -12,10 +12,12 @@
 //! * [`sim`]: `kvtier trace sim`.
 //! * [`belady`]: the offline optimum (Belady with bypass).
 //! * [`plot`]: hit rate against capacity, as SVG.
+//! * [`plan`]: `kvtier plan`, tiers sized for a trace, model and machine.
 
 pub mod belady;
 pub mod format;
 pub mod model_kv;
+pub mod plan;
 pub mod plot;
 pub mod prefix;
 pub mod sim;

@@ -114,6 +114,27 @@ impl ModelKv {
             };
             (kv, dim, 2)
         };
+        // Parameters of a Llama-style decoder, for prefill FLOPs: attention
+        // (q and o of hidden x hidden, k and v of hidden x KV width), the
+        // gated MLP (three hidden x intermediate), embeddings and, unless
+        // tied, the output head. MLA configs are left unestimated.
+        let parameters = match (
+            int("hidden_size"),
+            int("intermediate_size"),
+            int("vocab_size"),
+        ) {
+            (Some(h), Some(i), Some(vocab)) if vectors == 2 => {
+                let (h, i, vocab) = (u64::from(h), u64::from(i), u64::from(vocab));
+                let kv = u64::from(kv_heads) * u64::from(head_dim);
+                let per_layer = 2 * h * h + 2 * h * kv + 3 * h * i;
+                let tied = v
+                    .get("tie_word_embeddings")
+                    .and_then(|t| t.as_bool())
+                    .unwrap_or(false);
+                Some(u64::from(layers) * per_layer + vocab * h * if tied { 1 } else { 2 })
+            }
+            _ => None,
+        };
         Ok(ModelKv {
             name: path
                 .parent()
@@ -124,7 +145,7 @@ impl ModelKv {
             head_dim,
             vectors,
             dtype,
-            parameters: None,
+            parameters,
         })
     }
 
@@ -164,6 +185,11 @@ mod tests {
         std::fs::write(&p, r#"{"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256, "torch_dtype": "float32"}"#).expect("write");
         let m = ModelKv::from_config(&p).expect("gqa");
         assert_eq!(m.bytes_per_token(KvCodec::None), Some(4 * 2 * 2 * 32 * 4));
+        assert_eq!(m.parameters, None);
+        std::fs::write(&p, r#"{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100, "tie_word_embeddings": true}"#).expect("write");
+        let m = ModelKv::from_config(&p).expect("gqa with sizes");
+        // Per layer: 2*64*64 + 2*64*32 + 3*64*128 = 36864; embeddings 6400.
+        assert_eq!(m.parameters, Some(2 * 36_864 + 6_400));
         std::fs::write(&p, r#"{"num_hidden_layers": 2, "num_attention_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}"#).expect("write");
         let m = ModelKv::from_config(&p).expect("mla");
         assert_eq!(m.bytes_per_token(KvCodec::None), Some(2 * 576 * 2));

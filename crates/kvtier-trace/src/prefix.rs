@@ -30,6 +30,8 @@ pub struct PrefixTree {
     /// The index of the next request that uses each event's node, or
     /// [`NEVER`].
     pub next_use: Vec<u32>,
+    /// Each request's arrival, in seconds.
+    pub time_s: Vec<f64>,
 }
 
 impl PrefixTree {
@@ -39,7 +41,9 @@ impl PrefixTree {
         let mut parent = vec![ROOT];
         let mut edges: HashMap<(u32, u64), u32> = HashMap::new();
         let (mut requests, mut node, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+        let mut time_s = Vec::new();
         for r in trace.requests.iter().filter(|r| !r.blocks.is_empty()) {
+            time_s.push(r.time_s);
             let start = node.len();
             let mut at = ROOT;
             for (&id, &t) in r.blocks.iter().zip(&r.block_tokens) {
@@ -69,6 +73,7 @@ impl PrefixTree {
             node,
             tokens,
             next_use,
+            time_s,
         }
     }
 

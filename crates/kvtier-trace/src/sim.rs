@@ -113,7 +113,7 @@ impl Capacity {
 }
 
 /// What one run of one policy at one capacity gave.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
     /// Hits over the measured requests.
     pub hits: Hits,
@@ -123,15 +123,19 @@ pub struct Outcome {
     /// false, a warm-up too short for this capacity: the published curves
     /// leave such points out).
     pub filled_before_measurement: bool,
+    /// Hit tokens of each measured request, in order.
+    pub request_hits: Vec<u32>,
 }
 
 /// Runs an online policy (any [`Eviction`]) at `capacity` blocks.
 pub fn run_online(tree: &PrefixTree, policy: &mut dyn Eviction<u32>, from: usize) -> Outcome {
     let capacity = policy.capacity();
     let mut hits = Hits::default();
+    let mut request_hits = Vec::new();
     let (mut writes, mut filled) = (0u64, false);
     for (i, r) in tree.requests.iter().enumerate() {
         let mut alive = true;
+        let before = hits.hit_tokens;
         for e in r.clone() {
             let n = tree.node[e];
             let hit = policy.contains(&n);
@@ -160,11 +164,15 @@ pub fn run_online(tree: &PrefixTree, policy: &mut dyn Eviction<u32>, from: usize
             writes += 1;
             filled |= policy.used() >= capacity && i < from;
         }
+        if i >= from {
+            request_hits.push((hits.hit_tokens - before) as u32);
+        }
     }
     Outcome {
         hits,
         writes,
         filled_before_measurement: filled,
+        request_hits,
     }
 }
 

@@ -93,6 +93,12 @@ pub enum Command {
     /// generic JSONL) through kvtier's own tier policies: `stats` and `sim`.
     #[command(subcommand)]
     Trace(crate::cmd_trace::TraceCommand),
+
+    /// For a trace, a model and a machine: each tier configuration's hit
+    /// tokens per tier, restore bandwidth, SSD writes, accelerator time,
+    /// TTFT, energy and cost per million tokens, against the engine's own
+    /// cache alone; names the smallest within 1 point of an infinite cache.
+    Plan(crate::cmd_plan::PlanArgs),
 }
 
 /// `kvtier model ...` commands.

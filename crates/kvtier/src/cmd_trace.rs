@@ -116,7 +116,8 @@ fn warmup_arg(s: &str) -> Result<f64, String> {
     }
 }
 
-fn read(input: &TraceInput) -> Result<Trace> {
+/// Reads the trace `input` names.
+pub fn read(input: &TraceInput) -> Result<Trace> {
     let options = ReadOptions {
         block_size: input.block_size,
     };

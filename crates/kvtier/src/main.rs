@@ -14,6 +14,8 @@
 //! * `kvtier config --print-default`: `serve`'s whole config file.
 //! * `kvtier trace stats|sim`: public KV-cache traces through kvtier's own
 //!   tier policies beside LRU, FIFO and the offline optimum.
+//! * `kvtier plan`: how much of each tier a trace needs for a model and a
+//!   machine, and the hit rate, TTFT, energy and cost it buys.
 //!
 //! Errors go to stderr with their causes, and the exit status is non-zero.
 
@@ -23,6 +25,7 @@ mod cmd_bench;
 mod cmd_info;
 mod cmd_model;
 mod cmd_model_init;
+mod cmd_plan;
 mod cmd_prefill;
 mod cmd_serve;
 mod cmd_store;
@@ -66,6 +69,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve(args) => cmd_serve::run(&args),
         Command::Prefill(args) => cmd_prefill::run(&args),
         Command::Trace(cmd) => cmd_trace::run(&cmd),
+        Command::Plan(args) => cmd_plan::run(&args),
         Command::Config(args) => {
             if args.print_default {
                 print!("{}", serve_config::print_default());
