@@ -14,7 +14,7 @@
 //! so every restart adds one week to the clock.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::trace::{Ids, ReadOptions, count, for_each_line, raw_id, seconds};
 use crate::{Format, Request, Trace, TraceError};
@@ -160,7 +160,7 @@ fn cut(
 }
 
 /// Chunk id -> token length, from one of the length files.
-fn chunk_lengths(path: &PathBuf, field: &str) -> Result<HashMap<u64, u32>, TraceError> {
+fn chunk_lengths(path: &Path, field: &str) -> Result<HashMap<u64, u32>, TraceError> {
     let mut out = HashMap::new();
     for_each_line(path, |n, line| {
         let v: serde_json::Value = serde_json::from_str(line)
