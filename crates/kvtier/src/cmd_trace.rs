@@ -171,6 +171,23 @@ fn simulate(a: &SimArgs) -> Result<()> {
         .map(ModelKv::load)
         .transpose()
         .map_err(anyhow::Error::msg)?;
+    // Flags first, before the trace is read: a capacity in bytes needs a
+    // model to become blocks.
+    let mut specs = Vec::new();
+    for c in a.capacities.split(',').filter(|c| !c.trim().is_empty()) {
+        specs.push(match Capacity::parse(c) {
+            Ok(cap) => Ok(cap),
+            Err(why) => {
+                let Ok(bytes) = parse_size(c.trim()) else {
+                    bail!("{why}, or bytes like 4GiB with --model");
+                };
+                if model.is_none() {
+                    bail!("capacity {c:?} is in bytes: give --model to turn it into blocks");
+                }
+                Err(bytes)
+            }
+        });
+    }
     let trace = read(&a.input)?;
     let bytes_per_block = match &model {
         Some(m) => Some(
@@ -183,18 +200,10 @@ fn simulate(a: &SimArgs) -> Result<()> {
     let tree = PrefixTree::new(&trace);
     let unique = tree.unique_blocks();
     let mut capacities = Vec::new();
-    for c in a.capacities.split(',').filter(|c| !c.trim().is_empty()) {
-        let blocks = match Capacity::parse(c) {
+    for spec in specs {
+        let blocks = match spec {
             Ok(cap) => cap.blocks(unique),
-            Err(why) => {
-                let Ok(bytes) = parse_size(c.trim()) else {
-                    bail!("{why}, or bytes like 4GiB with --model");
-                };
-                let Some(per) = bytes_per_block else {
-                    bail!("capacity {c:?} is in bytes: give --model to turn it into blocks");
-                };
-                (bytes / per).max(1)
-            }
+            Err(bytes) => (bytes / bytes_per_block.unwrap_or(1).max(1)).max(1),
         };
         if !capacities.contains(&blocks) {
             capacities.push(blocks);

@@ -35,45 +35,6 @@ impl<K: Hash + Eq + Clone> Lru<K> {
     }
 }
 
-/// Inserts into a leaf queue with room made first, for the leaf-only
-/// policies: the new key is queued before the evictions (so its parent,
-/// which gains it as a child, is no longer a leaf and cannot be taken to
-/// make its room), then leaves other than the new key are taken while the
-/// weights exceed `capacity`. When no leaf is left to take, the new key is
-/// removed again and returned as not admitted. Each evicted key comes
-/// with its priority (the new key's own when it is refused).
-pub(super) fn insert_leaf<K: Hash + Eq + Clone>(
-    queue: &mut LeafQueue<K>,
-    capacity: u64,
-    key: K,
-    weight: u64,
-    parent: Option<&K>,
-    priority: u64,
-) -> Vec<(K, u64)> {
-    if weight > capacity {
-        queue.remove(&key);
-        return vec![(key, priority)];
-    }
-    if queue.contains(&key) {
-        queue.set_weight(&key, weight);
-        queue.set_priority(&key, priority);
-    } else {
-        queue.insert(key.clone(), parent.cloned(), weight, priority);
-    }
-    let mut evicted = Vec::new();
-    while queue.used() > capacity {
-        match queue.pop_leaf(0, |k, _| *k != key) {
-            Some((k, _, p)) => evicted.push((k, p)),
-            None => {
-                queue.remove(&key);
-                evicted.push((key, priority));
-                break;
-            }
-        }
-    }
-    evicted
-}
-
 impl<K: Hash + Eq + Clone + Send + fmt::Debug> Eviction<K> for Lru<K> {
     fn name(&self) -> &'static str {
         "lru"
@@ -100,12 +61,34 @@ impl<K: Hash + Eq + Clone + Send + fmt::Debug> Eviction<K> for Lru<K> {
         self.queue.set_priority(key, stamp)
     }
 
+    /// The new key is queued before room is made, so its parent (no
+    /// longer a leaf) cannot be taken for it; when no other leaf is left
+    /// to take, the new key is refused.
     fn insert(&mut self, key: K, weight: u64, parent: Option<&K>) -> Vec<K> {
+        if weight > self.capacity {
+            self.queue.remove(&key);
+            return vec![key];
+        }
         let stamp = self.tick();
-        insert_leaf(&mut self.queue, self.capacity, key, weight, parent, stamp)
-            .into_iter()
-            .map(|(k, _)| k)
-            .collect()
+        if self.queue.contains(&key) {
+            self.queue.set_weight(&key, weight);
+            self.queue.set_priority(&key, stamp);
+        } else {
+            self.queue
+                .insert(key.clone(), parent.cloned(), weight, stamp);
+        }
+        let mut evicted = Vec::new();
+        while self.queue.used() > self.capacity {
+            match self.queue.pop_leaf(0, |k, _| *k != key) {
+                Some((k, _, _)) => evicted.push(k),
+                None => {
+                    self.queue.remove(&key);
+                    evicted.push(key);
+                    break;
+                }
+            }
+        }
+        evicted
     }
 
     fn remove(&mut self, key: &K) -> Option<u64> {
