@@ -7,6 +7,7 @@ says so; bad memory is refused with a clear error."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -283,27 +284,47 @@ def test_a_restore_after_the_warming_takes_no_fresh_memory(tmp_path: Path) -> No
     assert fresh >= len(keys), fresh
 
 
-@pytest.mark.parametrize(("eviction", "head_in"), [("kvtier", "g2"), ("lru", "g2"), ("fifo", "g3")])
+@pytest.mark.parametrize(("eviction", "evicted"), [("kvtier", "x"), ("lru", "x"), ("fifo", "h")])
 def test_the_eviction_policy_is_chosen_and_the_prefix_aware_ones_keep_a_chains_head(
-    tmp_path: Path, eviction: str, head_in: str
+    tmp_path: Path, eviction: str, evicted: str
 ) -> None:
-    layout = Layout(2, 1, 16, 4)
-    probe = Store(str(tmp_path / "probe"), g2_bytes=64 << 20, g3_bytes=64 << 20)
-    ns = probe.namespace(layout, fingerprint="m")
-    src = pages(layout, 1, 0, "f32")
-    ns.save([b"p"], [region_views(layout, src, 0)]).wait()
-    block_bytes = probe.metrics()["g2_used_bytes"]
     # G2 holds three blocks. A chain h -> x is saved in one call, then y and
     # z: room for z must go. FIFO drops the oldest, the head h; LRU and
-    # kvtier drop leaves only, so h stays while x is gone.
-    store = Store(str(tmp_path / "c"), g2_bytes=3 * block_bytes, g3_bytes=64 << 20, eviction=eviction)
-    ns = store.namespace(layout, fingerprint="m")
-    src = pages(layout, 4, 1, "f32")
-    for keys, blocks in (([b"h", b"x"], [0, 1]), ([b"y"], [2]), ([b"z"], [3])):
-        ns.save(keys, [region_views(layout, src, b) for b in blocks]).wait()
-    dst = [np.zeros_like(t) for t in src]
-    got = ns.load([b"h"], [region_views(layout, dst, 0)]).wait()
-    assert got[0] == "hit" and got[0].tier == head_in, (eviction, got)
+    # kvtier drop leaves only, so h stays and x goes to G3. In a fresh
+    # process: G2 weighs blocks by their buffers, and buffers recycled from
+    # other tests' layouts would weigh more.
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        import numpy as np
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_store import pages, region_views
+        from kvtier import Layout, Store
+        layout = Layout(2, 1, 16, 4)
+        probe = Store({str(tmp_path / "probe")!r}, g2_bytes=64 << 20, g3_bytes=64 << 20)
+        ns = probe.namespace(layout, fingerprint="m")
+        ns.save([b"p"], [region_views(layout, pages(layout, 1, 0, "f32"), 0)]).wait()
+        block_bytes = probe.metrics()["g2_used_bytes"]
+        store = Store({str(tmp_path / "c")!r}, g2_bytes=3 * block_bytes, g3_bytes=64 << 20,
+                      eviction={eviction!r})
+        ns = store.namespace(layout, fingerprint="m")
+        src = pages(layout, 4, 1, "f32")
+        for keys, blocks in (([b"h", b"x"], [0, 1]), ([b"y"], [2]), ([b"z"], [3])):
+            ns.save(keys, [region_views(layout, src, b) for b in blocks]).wait()
+        g2_blocks = store.metrics()["g2_blocks"]
+        # An evicted block stays readable from the write-back queue until
+        # written: write it, so a load says where each block lives.
+        ns.flush()
+        dst = [np.zeros_like(t) for t in src]
+        got = ns.load([b"h", b"x"], [region_views(layout, dst, b) for b in (0, 1)]).wait()
+        print(json.dumps({{"g2_blocks": g2_blocks, "h": got[0].tier, "x": got[1].tier}}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    kept = "h" if evicted == "x" else "x"
+    assert seen["g2_blocks"] == 3 and seen[evicted] == "g3" and seen[kept] == "g2", (eviction, seen)
     with pytest.raises(ValueError, match="unknown eviction policy"):
         Store(str(tmp_path / "d"), eviction="mru")
 

@@ -19,11 +19,10 @@
 //! entries outnumber the resident keys. Every operation is O(log n)
 //! amortised.
 //!
-//! A key removed while it still has children (an explicit remove, not an
-//! eviction) leaves them as orphans: they stay resident, are leaves or not
-//! by their own children, and their parent is forgotten. A parent that comes
-//! back later starts with no children counted, so it may be evicted before
-//! its orphans; that costs hits, never correctness.
+//! Child counts are exact whatever the order keys arrive in: a key whose
+//! parent is not resident (saved by another thread first, or the parent was
+//! removed) is counted against the absent parent, and the parent takes the
+//! count when it comes (back).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -57,6 +56,8 @@ pub struct LeafQueue<K> {
     nodes: Vec<Option<Node<K>>>,
     free: Vec<usize>,
     heaps: Vec<BinaryHeap<HeapEntry>>,
+    /// Resident keys per absent parent they name.
+    waiting: HashMap<K, u32>,
     /// Weight per class.
     used: Vec<u64>,
     born: u64,
@@ -79,6 +80,7 @@ impl<K: Hash + Eq + Clone> LeafQueue<K> {
             nodes: Vec::new(),
             free: Vec::new(),
             heaps: (0..CLASSES).map(|_| BinaryHeap::new()).collect(),
+            waiting: HashMap::new(),
             used: vec![0; CLASSES],
             born: 0,
         }
@@ -151,16 +153,22 @@ impl<K: Hash + Eq + Clone> LeafQueue<K> {
             return false;
         }
         let parent = parent.filter(|p| *p != key);
-        if let Some(p) = parent.as_ref().and_then(|p| self.index.get(p).copied())
-            && let Some(node) = self.nodes[p].as_mut()
-        {
-            node.children += 1;
+        if let Some(p) = &parent {
+            match self.index.get(p).copied() {
+                Some(slot) => {
+                    if let Some(node) = self.nodes[slot].as_mut() {
+                        node.children += 1;
+                    }
+                }
+                None => *self.waiting.entry(p.clone()).or_insert(0) += 1,
+            }
         }
+        let children = self.waiting.remove(&key).unwrap_or(0);
         let node = Node {
             key: key.clone(),
             parent,
             weight,
-            children: 0,
+            children,
             priority,
             version: 0,
             class,
@@ -228,6 +236,9 @@ impl<K: Hash + Eq + Clone> LeafQueue<K> {
         let node = self.nodes[slot].take()?;
         self.free.push(slot);
         self.used[node.class] -= node.weight;
+        if node.children > 0 {
+            self.waiting.insert(node.key.clone(), node.children);
+        }
         self.release_parent(node.parent.as_ref());
         self.maybe_rebuild();
         Some(node.weight)
@@ -326,7 +337,16 @@ impl<K: Hash + Eq + Clone> LeafQueue<K> {
 
     /// A child of `parent` left: the parent may have become a leaf.
     fn release_parent(&mut self, parent: Option<&K>) {
-        let Some(&p) = parent.and_then(|p| self.index.get(p)) else {
+        let Some(parent) = parent else {
+            return;
+        };
+        let Some(&p) = self.index.get(parent) else {
+            if let Some(n) = self.waiting.get_mut(parent) {
+                *n -= 1;
+                if *n == 0 {
+                    self.waiting.remove(parent);
+                }
+            }
             return;
         };
         if let Some(node) = self.nodes[p].as_mut() {
@@ -390,16 +410,26 @@ mod tests {
     }
 
     #[test]
-    fn removing_a_parent_orphans_its_children_and_ties_go_to_the_newest() {
+    fn a_parent_arriving_after_its_child_counts_it_and_ties_go_to_the_newest() {
         let mut q = LeafQueue::new();
-        q.insert(1u8, None, 1, 0);
-        q.insert(2, Some(1), 1, 0);
+        // The child first (another thread saved it), then its parent.
+        q.insert(2u8, Some(1), 1, 0);
+        q.insert(1, None, 1, 0);
         q.insert(3, None, 1, 0);
-        assert_eq!(q.remove(&1), Some(1));
-        // Equal priorities: the newest leaf first.
+        assert!(!q.is_leaf(&1));
+        // Equal priorities: the newest leaf first; 1 only after its child.
         assert_eq!(q.pop_leaf(0, |_, _| true).map(|e| e.0), Some(3));
         assert_eq!(q.pop_leaf(0, |_, _| true).map(|e| e.0), Some(2));
-        assert!(q.is_empty());
+        assert_eq!(q.pop_leaf(0, |_, _| true).map(|e| e.0), Some(1));
+        // A removed parent that comes back counts its resident children.
+        q.insert(1, None, 1, 0);
+        q.insert(2, Some(1), 1, 0);
+        assert_eq!(q.remove(&1), Some(1));
+        q.insert(1, None, 1, 0);
+        assert!(!q.is_leaf(&1) && q.is_leaf(&2));
+        q.remove(&2);
+        assert!(q.is_leaf(&1));
+        assert!(q.waiting.is_empty());
     }
 
     #[test]

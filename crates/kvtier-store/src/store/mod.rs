@@ -592,28 +592,39 @@ impl TieredStore {
     /// dropped from the cache and counted instead. For callers on a
     /// latency-critical thread (an engine's decode loop).
     pub fn offer(&self, blocks: Vec<(BlockKey, BlockBuf)>) -> PutReport {
-        self.store_filled(blocks, false)
+        let parents = std::iter::once(None)
+            .chain(blocks.iter().map(|(k, _)| Some(*k)))
+            .collect();
+        self.store_filled(blocks, parents, false)
     }
 
-    /// Seals and stores blocks filled in place; `wait` for room in the
-    /// write-back queue, or drop past its bound ([`offer`](Self::offer)).
-    pub(crate) fn store_filled(&self, blocks: Vec<(BlockKey, BlockBuf)>, wait: bool) -> PutReport {
+    /// Seals and stores blocks filled in place, each under its parent (the
+    /// block before it in the caller's chain, when known); `wait` for room
+    /// in the write-back queue, or drop past its bound
+    /// ([`offer`](Self::offer)).
+    pub(crate) fn store_filled(
+        &self,
+        blocks: Vec<(BlockKey, BlockBuf)>,
+        parents: Vec<Option<BlockKey>>,
+        wait: bool,
+    ) -> PutReport {
         let inner = &self.inner;
         self.record_sightings(blocks.iter().map(|(k, _)| k));
         let mut present = 0;
         let mut encoded = Vec::with_capacity(blocks.len());
-        let mut parents = Vec::with_capacity(blocks.len());
-        let mut before = None;
-        for (key, block) in blocks {
-            let parent = before.replace(key);
+        let mut kept_parents = Vec::with_capacity(blocks.len());
+        for ((key, block), parent) in blocks
+            .into_iter()
+            .zip(parents.into_iter().chain(std::iter::repeat(None)))
+        {
             if inner.memory.contains(&key) {
                 present += 1;
                 continue;
             }
             encoded.push((key, Arc::new(block.seal(key, inner.fingerprint, 0))));
-            parents.push(parent);
+            kept_parents.push(parent);
         }
-        let mut report = self.insert(encoded, &parents, wait);
+        let mut report = self.insert(encoded, &kept_parents, wait);
         report.present += present;
         report
     }

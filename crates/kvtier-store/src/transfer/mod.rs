@@ -516,6 +516,8 @@ impl TieredStore {
             let chunk_regions: Vec<BlockRegions> = regions
                 .drain(..chunk_keys.len().min(regions.len()))
                 .collect();
+            // The block before the chunk: its first block's parent.
+            let before = first.checked_sub(1).map(|i| keys[i]);
             let (store, shared, chunk_keys) =
                 (self.clone(), transfer.shared.clone(), chunk_keys.to_vec());
             let job: Box<dyn FnOnce() + Send> = Box::new(move || {
@@ -523,7 +525,9 @@ impl TieredStore {
                     vec![BlockResult::Cancelled; chunk_keys.len()]
                 } else {
                     match work {
-                        Work::Save => store.save_chunk(&chunk_keys, &chunk_regions, &shared),
+                        Work::Save => {
+                            store.save_chunk(before, &chunk_keys, &chunk_regions, &shared)
+                        }
                         Work::Load | Work::LoadLayers => store.load_chunk(
                             first,
                             &chunk_keys,
@@ -601,8 +605,11 @@ impl TieredStore {
             .collect()
     }
 
+    /// Saves one chunk of a save's blocks; `before` is the block before
+    /// the chunk in the caller's chain, its first block's parent.
     fn save_chunk(
         &self,
+        before: Option<BlockKey>,
         keys: &[BlockKey],
         srcs: &[BlockRegions],
         shared: &Shared,
@@ -611,7 +618,9 @@ impl TieredStore {
         let layout = self.layout();
         let mut results = Vec::with_capacity(keys.len());
         let mut sealed = Vec::new();
-        for ((key, src), held) in keys.iter().zip(srcs).zip(held) {
+        let mut parents = Vec::new();
+        let chain = std::iter::once(before).chain(keys.iter().map(|k| Some(*k)));
+        for (((key, src), held), parent) in keys.iter().zip(srcs).zip(held).zip(chain) {
             let r = if shared.is_cancelled() {
                 BlockResult::Cancelled
             } else if held {
@@ -625,6 +634,7 @@ impl TieredStore {
                 match filled {
                     Ok(block) => {
                         sealed.push((*key, block));
+                        parents.push(parent);
                         BlockResult::Stored
                     }
                     Err(e) => BlockResult::Error(e.to_string()),
@@ -633,7 +643,7 @@ impl TieredStore {
             results.push(r);
         }
         if !sealed.is_empty() {
-            self.store_filled(sealed, true);
+            self.store_filled(sealed, parents, true);
         }
         results
     }
