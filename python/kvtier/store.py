@@ -261,7 +261,7 @@ class Store:
     to disk within about ``g3_sync_ms`` (0: only when evicted, flushed or
     closed), so a killed process loses at most that much. ``eviction`` is
     host memory's policy: ``"kvtier"`` (kvtier's own, the default),
-    ``"lru"``, ``"fifo"`` or ``"s3fifo"`` (docs/store.md says why the
+    ``"lru"``, ``"fifo"``, ``"s3fifo"`` or ``"clock"`` (docs/store.md says why the
     default wins); an unknown name is a ``ValueError``."""
 
     def __init__(

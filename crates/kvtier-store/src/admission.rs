@@ -7,18 +7,20 @@
 //! distinct keys, so memory stays bounded (about 40 bytes per key).
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
 
 use crate::key::BlockKey;
 
-/// Counts sightings of recent keys within a bounded window.
+/// Counts sightings of recent keys within a bounded window (block keys in
+/// the store; any key in the trace simulator).
 #[derive(Debug)]
-pub struct SecondSighting {
-    counts: HashMap<BlockKey, u8>,
-    order: VecDeque<BlockKey>,
+pub struct SecondSighting<K = BlockKey> {
+    counts: HashMap<K, u8>,
+    order: VecDeque<K>,
     window: usize,
 }
 
-impl SecondSighting {
+impl<K: Hash + Eq + Clone> SecondSighting<K> {
     /// A filter remembering at most `window` distinct keys (at least 1).
     pub fn new(window: usize) -> Self {
         Self {
@@ -29,13 +31,13 @@ impl SecondSighting {
     }
 
     /// Records one sighting of `key`.
-    pub fn record(&mut self, key: &BlockKey) {
+    pub fn record(&mut self, key: &K) {
         if let Some(c) = self.counts.get_mut(key) {
             *c = c.saturating_add(1);
             return;
         }
-        self.counts.insert(*key, 1);
-        self.order.push_back(*key);
+        self.counts.insert(key.clone(), 1);
+        self.order.push_back(key.clone());
         while self.order.len() > self.window {
             if let Some(old) = self.order.pop_front() {
                 self.counts.remove(&old);
@@ -44,7 +46,7 @@ impl SecondSighting {
     }
 
     /// True once `key` has been seen at least twice within the window.
-    pub fn admits(&self, key: &BlockKey) -> bool {
+    pub fn admits(&self, key: &K) -> bool {
         self.counts.get(key).is_some_and(|&c| c >= 2)
     }
 

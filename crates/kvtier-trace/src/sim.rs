@@ -13,6 +13,7 @@
 
 use std::collections::BTreeMap;
 
+use kvtier_store::admission::SecondSighting;
 use kvtier_store::eviction::{Eviction, EvictionKind};
 use serde::Serialize;
 
@@ -47,7 +48,7 @@ impl SimPolicy {
         }
     }
 
-    /// The simulator's policies, by name (`lru`, `fifo`, `s3fifo`,
+    /// The simulator's policies, by name (`lru`, `fifo`, `s3fifo`, `clock`,
     /// `kvtier`, `belady`).
     pub fn parse(s: &str) -> Result<SimPolicy, String> {
         if s.trim() == "belady" {
@@ -129,6 +130,18 @@ pub struct Outcome {
 
 /// Runs an online policy (any [`Eviction`]) at `capacity` blocks.
 pub fn run_online(tree: &PrefixTree, policy: &mut dyn Eviction<u32>, from: usize) -> Outcome {
+    run_admitted(tree, policy, None, from)
+}
+
+/// [`run_online`] behind G3's admission filter (the store's
+/// [`SecondSighting`]): every block of a request is a sighting, and a block
+/// is stored only once it was seen twice within the filter's window.
+pub fn run_admitted(
+    tree: &PrefixTree,
+    policy: &mut dyn Eviction<u32>,
+    mut admission: Option<SecondSighting<u32>>,
+    from: usize,
+) -> Outcome {
     let capacity = policy.capacity();
     let mut hits = Hits::default();
     let mut request_hits = Vec::new();
@@ -147,6 +160,9 @@ pub fn run_online(tree: &PrefixTree, policy: &mut dyn Eviction<u32>, from: usize
             } else if !hit {
                 alive = false;
             }
+            if let Some(a) = admission.as_mut() {
+                a.record(&n);
+            }
         }
         for e in r.clone() {
             let n = tree.node[e];
@@ -155,6 +171,9 @@ pub fn run_online(tree: &PrefixTree, policy: &mut dyn Eviction<u32>, from: usize
             }
             let parent = tree.parent[n as usize];
             if parent != ROOT && !policy.contains(&parent) {
+                break;
+            }
+            if admission.as_ref().is_some_and(|a| !a.admits(&n)) {
                 break;
             }
             let evicted = policy.insert(n, 1, (parent != ROOT).then_some(&parent));
@@ -178,11 +197,29 @@ pub fn run_online(tree: &PrefixTree, policy: &mut dyn Eviction<u32>, from: usize
 
 /// Runs `policy` at `capacity` blocks.
 pub fn run(tree: &PrefixTree, policy: SimPolicy, capacity: u64, from: usize) -> Outcome {
+    run_with(tree, policy, capacity, from, None)
+}
+
+/// [`run`], the online policies behind an admission filter of
+/// `admission_window` keys when given (the optimum needs none: it bypasses
+/// on its own).
+pub fn run_with(
+    tree: &PrefixTree,
+    policy: SimPolicy,
+    capacity: u64,
+    from: usize,
+    admission_window: Option<usize>,
+) -> Outcome {
     match policy {
         SimPolicy::Belady => crate::belady::run(tree, capacity, from),
         SimPolicy::Online(k) => {
             let mut p = k.kind().build::<u32>(capacity);
-            run_online(tree, p.as_mut(), from)
+            run_admitted(
+                tree,
+                p.as_mut(),
+                admission_window.map(SecondSighting::new),
+                from,
+            )
         }
     }
 }
@@ -204,13 +241,16 @@ pub struct Point {
     pub filled_before_measurement: bool,
 }
 
-/// Every policy at every capacity, on as many threads as `threads`.
+/// Every policy at every capacity, on as many threads as `threads`, the
+/// online ones behind an admission filter of `admission_window` keys when
+/// given.
 pub fn sweep(
     tree: &PrefixTree,
     policies: &[SimPolicy],
     capacities: &[u64],
     warmup: f64,
     threads: usize,
+    admission_window: Option<usize>,
 ) -> Vec<Point> {
     let from = tree.measured_from(warmup);
     let jobs: Vec<(SimPolicy, u64)> = capacities
@@ -226,7 +266,7 @@ pub fn sweep(
                     loop {
                         let j = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         let Some(&(p, c)) = jobs.get(j) else { break };
-                        let o = run(tree, p, c, from);
+                        let o = run_with(tree, p, c, from, admission_window);
                         mine.push((
                             j,
                             Point {

@@ -73,6 +73,19 @@ fn an_id_after_another_prefix_is_other_kv() {
 }
 
 #[test]
+fn the_admission_filter_stores_a_block_at_its_second_sighting() {
+    // [1], [2], [1], [1]: without the filter 1 and 2 are written at once
+    // and the last two requests hit; with it, 1 is written at its second
+    // sighting (the third request, a miss) and only the last one hits.
+    let t = trace(&[vec![1], vec![2], vec![1], vec![1]]);
+    let lru = SimPolicy::parse("lru").expect("lru");
+    let plain = sim::run_with(&t, lru, 10, 0, None);
+    let admitted = sim::run_with(&t, lru, 10, 0, Some(100));
+    assert_eq!((plain.hits.hit_tokens, plain.writes), (2, 2));
+    assert_eq!((admitted.hits.hit_tokens, admitted.writes), (1, 1));
+}
+
+#[test]
 fn the_simulator_drives_the_stores_own_policy_types() {
     // The simulator's "kvtier" is the store's PrefixArc itself: driving a
     // PrefixArc built here through the same trait gives the same answer,
@@ -110,12 +123,12 @@ proptest! {
         let infinite = t.infinite_hits(0).hit_tokens;
         for c in 1..=unique {
             let best = hits(&t, "belady", c);
-            for p in ["lru", "fifo", "s3fifo", "kvtier"] {
+            for p in ["lru", "fifo", "s3fifo", "clock", "kvtier"] {
                 let h = hits(&t, p, c);
                 prop_assert!(h <= best, "{p} {h} > belady {best} at {c}");
             }
         }
-        for p in ["lru", "fifo", "s3fifo", "kvtier", "belady"] {
+        for p in ["lru", "fifo", "s3fifo", "clock", "kvtier", "belady"] {
             prop_assert_eq!(hits(&t, p, unique), infinite, "{} at full size", p);
         }
     }

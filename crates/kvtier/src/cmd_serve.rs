@@ -73,7 +73,8 @@ pub struct ServeArgs {
     pub g2_bytes: u64,
 
     /// G2's eviction policy: kvtier (kvtier's own: adaptive replacement over
-    /// the leaves of the prefix forest; docs/store.md), lru, fifo or s3fifo.
+    /// the leaves of the prefix forest; docs/store.md), lru, fifo, s3fifo or
+    /// clock.
     #[arg(long, value_name = "POLICY", default_value = "kvtier")]
     pub eviction: kvtier_store::eviction::EvictionKind,
 

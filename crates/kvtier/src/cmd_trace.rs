@@ -65,7 +65,7 @@ pub struct SimArgs {
     #[command(flatten)]
     input: TraceInput,
 
-    /// Policies, comma-separated: lru, fifo, s3fifo, kvtier, belady.
+    /// Policies, comma-separated: lru, fifo, s3fifo, clock, kvtier, belady.
     #[arg(
         long,
         value_name = "LIST",
@@ -91,6 +91,13 @@ pub struct SimArgs {
     /// How the tier stores the KV (none, bf16, fp8-e4m3, int8).
     #[arg(long, value_name = "CODEC", default_value = "none", value_parser = crate::cli::codec_arg)]
     codec: KvCodec,
+
+    /// Run the online policies behind G3's admission filter: a block is
+    /// stored only once seen twice within the last N distinct blocks (the
+    /// store's `admit_on_second_sighting`); `g3_write_blocks` shows what it
+    /// saves the SSD.
+    #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "1048576")]
+    admission: Option<usize>,
 
     /// Write the hit-rate curves as an SVG plot.
     #[arg(long, value_name = "FILE.svg")]
@@ -147,6 +154,7 @@ pub fn run(cmd: &TraceCommand) -> Result<()> {
 struct SimReport {
     trace: TraceStats,
     warmup: f64,
+    admission_window: Option<usize>,
     model: Option<ModelKv>,
     codec: &'static str,
     bytes_per_block: Option<u64>,
@@ -214,11 +222,19 @@ fn simulate(a: &SimArgs) -> Result<()> {
         |t| t as usize,
     );
     let started = std::time::Instant::now();
-    let points = sim::sweep(&tree, &policies, &capacities, a.warmup, threads);
+    let points = sim::sweep(
+        &tree,
+        &policies,
+        &capacities,
+        a.warmup,
+        threads,
+        a.admission,
+    );
     let elapsed = started.elapsed();
     let report = SimReport {
         trace: stats::stats(&trace),
         warmup: a.warmup,
+        admission_window: a.admission,
         model,
         codec: a.codec.name(),
         bytes_per_block,

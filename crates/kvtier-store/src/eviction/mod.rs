@@ -8,7 +8,8 @@
 //! * [`leaves`]: the resident prefix forest with its leaves in priority
 //!   order, which the chain-aware policies share.
 //! * [`clock`]: CLOCK (second chance) over fixed slots, for G3, where a
-//!   victim is a slot to overwrite and pinned slots are never chosen.
+//!   victim is a slot to overwrite and pinned slots are never chosen; and
+//!   the same over keys ([`Clock`]).
 
 pub mod clock;
 pub mod fifo;
@@ -18,7 +19,7 @@ pub mod policy;
 pub mod prefix_arc;
 pub mod s3fifo;
 
-pub use clock::{Visit, sweep};
+pub use clock::{Clock, Visit, sweep};
 pub use fifo::Fifo;
 pub use leaves::LeafQueue;
 pub use lru::Lru;

@@ -10,7 +10,7 @@ use std::fmt;
 use std::hash::Hash;
 use std::str::FromStr;
 
-use super::{Fifo, Lru, PrefixArc, S3Fifo};
+use super::{Clock, Fifo, Lru, PrefixArc, S3Fifo};
 
 /// An eviction policy over keys with weights (bytes, or 1 per block).
 ///
@@ -64,6 +64,8 @@ pub enum EvictionKind {
     Fifo,
     /// Byte-weighted S3-FIFO (flat over keys), G2's policy before kvtier's.
     S3Fifo,
+    /// CLOCK (second chance), flat over keys: G3's rule over its slots.
+    Clock,
     /// kvtier's own, [`PrefixArc`]: adaptive replacement over the prefix
     /// forest's leaves.
     #[default]
@@ -72,7 +74,13 @@ pub enum EvictionKind {
 
 impl EvictionKind {
     /// Every kind, in the order the docs and `--help` list them.
-    pub const ALL: [EvictionKind; 4] = [Self::Kvtier, Self::Lru, Self::Fifo, Self::S3Fifo];
+    pub const ALL: [EvictionKind; 5] = [
+        Self::Kvtier,
+        Self::Lru,
+        Self::Fifo,
+        Self::S3Fifo,
+        Self::Clock,
+    ];
 
     /// The kind's name.
     pub fn as_str(self) -> &'static str {
@@ -80,6 +88,7 @@ impl EvictionKind {
             Self::Lru => "lru",
             Self::Fifo => "fifo",
             Self::S3Fifo => "s3fifo",
+            Self::Clock => "clock",
             Self::Kvtier => "kvtier",
         }
     }
@@ -93,6 +102,7 @@ impl EvictionKind {
             Self::Lru => Box::new(Lru::new(capacity)),
             Self::Fifo => Box::new(Fifo::new(capacity)),
             Self::S3Fifo => Box::new(S3Fifo::new(capacity)),
+            Self::Clock => Box::new(Clock::new(capacity)),
             Self::Kvtier => Box::new(PrefixArc::new(capacity)),
         }
     }
