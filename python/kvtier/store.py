@@ -260,7 +260,7 @@ class Store:
     ``s3://``) if given. Blocks that live only in host memory are written
     to disk within about ``g3_sync_ms`` (0: only when evicted, flushed or
     closed), so a killed process loses at most that much. ``eviction`` is
-    host memory's policy: ``"kvtier"`` (kvtier's own, the default),
+    the eviction policy of host memory and disk: ``"kvtier"`` (kvtier's own, the default),
     ``"lru"``, ``"fifo"``, ``"s3fifo"`` or ``"clock"`` (docs/store.md says why the
     default wins); an unknown name is a ``ValueError``."""
 

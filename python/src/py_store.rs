@@ -593,7 +593,8 @@ impl Store {
     /// host memory for every namespace together, `g3_bytes` of disk per
     /// namespace, and the G4 pool at `remote` if given; blocks only in
     /// host memory reach disk within about `g3_sync_ms` (0: off). `eviction`
-    /// is host memory's policy (`kvtier`, `lru`, `fifo`, `s3fifo`, `clock`).
+    /// is the eviction policy of host memory and disk (`kvtier`, `lru`,
+    /// `fifo`, `s3fifo`, `clock`).
     #[new]
     #[pyo3(signature = (cache_dir, g2_bytes = 1 << 30, g3_bytes = 8 << 30, remote = None, g3_sync_ms = 1000, eviction = "kvtier"))]
     fn new(

@@ -103,7 +103,7 @@ pub struct StoreOptions {
     /// ([`StoreConfig::g3_sync`]): `None` is the store's default
     /// ([`kvtier_store::DEFAULT_G3_SYNC`]), zero turns it off.
     pub g3_sync: Option<std::time::Duration>,
-    /// G2's eviction policy (`--eviction`).
+    /// The eviction policy of G2 and G3 (`--eviction`).
     pub eviction: kvtier_store::eviction::EvictionKind,
     /// How G2, G3 and G4 store the KV (`--kv-offload-codec`): G1 keeps f32;
     /// blocks are coded as they are offloaded and decoded into G1 pages as

@@ -44,7 +44,7 @@ pub struct ServeOptions {
     /// only on eviction and at a clean stop) (default: 1 s,
     /// [`kvtier_store::DEFAULT_G3_SYNC`]).
     pub g3_sync: Duration,
-    /// G2's eviction policy (`--eviction`).
+    /// The eviction policy of G2 and G3 (`--eviction`).
     pub eviction: kvtier_store::eviction::EvictionKind,
     /// How G2, G3 and G4 store KV blocks (`--kv-offload-codec`; G1 keeps
     /// f32) (default: none).

@@ -72,7 +72,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     pub g2_bytes: u64,
 
-    /// G2's eviction policy: kvtier (kvtier's own: adaptive replacement over
+    /// G2's and G3's eviction policy: kvtier (kvtier's own: adaptive replacement over
     /// the leaves of the prefix forest; docs/store.md), lru, fifo, s3fifo or
     /// clock.
     #[arg(long, value_name = "POLICY", default_value = "kvtier")]

@@ -69,6 +69,7 @@ use kvtier_io::{AlignedBuf, HostAllocator, IoEngine, open_direct, probe_direct};
 use parking_lot::Mutex;
 
 use crate::block::BlockError;
+use crate::eviction::EvictionKind;
 use crate::key::{BlockKey, ModelFingerprint};
 use crate::kv_layout::{Arrangement, KvLayout};
 use crate::metrics::TierMetrics;
@@ -96,6 +97,9 @@ pub struct DiskConfig {
     pub in_flight: usize,
     /// Force direct (`Some(true)`) or buffered (`Some(false)`) I/O; `None` probes.
     pub direct: Option<bool>,
+    /// Which block to reclaim when the slots are full (default kvtier's
+    /// own; a store sets it to its [`StoreConfig::eviction`](crate::StoreConfig::eviction)).
+    pub eviction: EvictionKind,
 }
 
 impl DiskConfig {
@@ -110,6 +114,7 @@ impl DiskConfig {
             segment_bytes: 1 << 30,
             in_flight: 32,
             direct: None,
+            eviction: EvictionKind::default(),
         }
     }
 }
@@ -312,7 +317,7 @@ impl DiskTier {
             in_flight: config.in_flight.max(1),
             engine,
             alloc,
-            slots: Mutex::new(SlotTable::new(total as u32)),
+            slots: Mutex::new(SlotTable::new(total as u32, config.eviction)),
             metrics,
             saved: None,
             recovery: Recovery::Scanned {

@@ -1,12 +1,13 @@
 //! G3's slot table: which key lives in which slot, which slots are free,
-//! pinned by readers or being written, and the CLOCK reference bits that
-//! choose a slot to reclaim ([`crate::eviction::clock`]).
+//! pinned by readers or being written, and the eviction policy that
+//! chooses a block to reclaim (the store's, [`EvictionKind`]; a pinned
+//! slot is never chosen).
 //!
 //! Pure bookkeeping under the tier's lock; no I/O happens here.
 
 use std::collections::{HashMap, HashSet};
 
-use crate::eviction::{Visit, sweep};
+use crate::eviction::{Eviction, EvictionKind};
 use crate::key::BlockKey;
 
 /// The life of one slot.
@@ -24,7 +25,6 @@ pub(super) enum SlotState {
 struct Slot {
     key: BlockKey,
     state: SlotState,
-    referenced: bool,
     pins: u32,
 }
 
@@ -34,7 +34,8 @@ pub(super) struct SlotTable {
     index: HashMap<BlockKey, u32>,
     slots: Vec<Slot>,
     free: Vec<u32>,
-    hand: usize,
+    /// Orders the valid blocks for reclaiming (a block weighs 1).
+    policy: Box<dyn Eviction<BlockKey>>,
     writing: HashSet<BlockKey>,
     valid: u64,
 }
@@ -56,21 +57,20 @@ pub(super) enum Reserve {
 }
 
 impl SlotTable {
-    /// `total` free slots.
-    pub(super) fn new(total: u32) -> Self {
+    /// `total` free slots, reclaimed by `eviction`'s rule.
+    pub(super) fn new(total: u32, eviction: EvictionKind) -> Self {
         Self {
             index: HashMap::new(),
             slots: vec![
                 Slot {
                     key: BlockKey([0; 16]),
                     state: SlotState::Free,
-                    referenced: false,
                     pins: 0,
                 };
                 total as usize
             ],
             free: Vec::new(),
-            hand: 0,
+            policy: eviction.build(u64::from(total)),
             writing: HashSet::new(),
             valid: 0,
         }
@@ -112,6 +112,7 @@ impl SlotTable {
         s.key = key;
         s.state = SlotState::Valid;
         self.valid += 1;
+        self.policy.insert(key, 1, None);
         true
     }
 
@@ -145,31 +146,23 @@ impl SlotTable {
         self.free.reverse();
     }
 
-    /// Takes a free slot, or reclaims one with CLOCK; returns it with the
-    /// key it held when one was evicted. `None` when every slot is pinned or
-    /// being written.
+    /// Takes a free slot, or reclaims the block the policy gives up among
+    /// those no reader pins; returns the slot with the key it held when one
+    /// was evicted. `None` when every slot is pinned or being written.
     fn alloc(&mut self) -> Option<(u32, Option<BlockKey>)> {
         if let Some(s) = self.free.pop() {
             return Some((s, None));
         }
-        let slots = &mut self.slots;
-        let victim = sweep(&mut self.hand, slots.len(), |i| {
-            let s = &mut slots[i];
-            if s.state != SlotState::Valid || s.pins > 0 {
-                Visit::Skip
-            } else if s.referenced {
-                s.referenced = false;
-                Visit::SecondChance
-            } else {
-                Visit::Take
-            }
+        let (index, slots) = (&self.index, &self.slots);
+        let key = self.policy.evict_where(&mut |k| {
+            index.get(k).is_some_and(|&i| {
+                slots[i as usize].state == SlotState::Valid && slots[i as usize].pins == 0
+            })
         })?;
-        let s = &mut self.slots[victim];
-        let key = s.key;
-        s.state = SlotState::Free;
-        self.index.remove(&key);
+        let victim = self.index.remove(&key)?;
+        self.slots[victim as usize].state = SlotState::Free;
         self.valid -= 1;
-        Some((victim as u32, Some(key)))
+        Some((victim, Some(key)))
     }
 
     /// Reserves a slot for writing `key`.
@@ -183,7 +176,6 @@ impl SlotTable {
         let s = &mut self.slots[slot as usize];
         s.state = SlotState::Writing;
         s.key = key;
-        s.referenced = false;
         self.writing.insert(key);
         Reserve::Slot {
             slot,
@@ -197,6 +189,11 @@ impl SlotTable {
         self.slots[slot as usize].state = SlotState::Valid;
         self.index.insert(key, slot);
         self.valid += 1;
+        // A block weighs one slot and the policy's capacity is the slot
+        // count, so this never evicts: the slot was freed or reclaimed by
+        // `alloc` before the write.
+        let evicted = self.policy.insert(key, 1, None);
+        debug_assert!(evicted.is_empty(), "G3's policy evicted on a written block");
     }
 
     /// The write of `key` failed: the slot stays reserved until its header
@@ -209,9 +206,8 @@ impl SlotTable {
     /// overwritten until [`unpin`](Self::unpin)) and records the hit.
     pub(super) fn pin(&mut self, key: &BlockKey) -> Option<u32> {
         let slot = self.slot_of(key)?;
-        let s = &mut self.slots[slot as usize];
-        s.pins += 1;
-        s.referenced = true;
+        self.slots[slot as usize].pins += 1;
+        self.policy.touch(key);
         Some(slot)
     }
 
@@ -229,6 +225,7 @@ impl SlotTable {
         let mut dropped = false;
         if corrupt && self.index.get(key) == Some(&slot) {
             self.index.remove(key);
+            self.policy.remove(key);
             self.valid -= 1;
             self.slots[slot as usize].state = SlotState::Dead;
             dropped = true;
@@ -249,6 +246,7 @@ impl SlotTable {
         let Some(slot) = self.index.remove(key) else {
             return false;
         };
+        self.policy.remove(key);
         self.valid -= 1;
         let s = &mut self.slots[slot as usize];
         if s.pins == 0 {
@@ -279,7 +277,7 @@ mod tests {
 
     #[test]
     fn reserve_reclaims_with_clock_and_never_a_pinned_slot() {
-        let mut t = SlotTable::new(2);
+        let mut t = SlotTable::new(2, EvictionKind::Clock);
         t.recover_free(0);
         t.recover_free(1);
         t.recovered();
@@ -310,8 +308,37 @@ mod tests {
     }
 
     #[test]
+    fn by_default_a_read_block_outlives_unread_ones_and_pinned_slots_are_never_taken() {
+        let mut t = SlotTable::new(3, EvictionKind::Kvtier);
+        for slot in 0..3 {
+            t.recover_free(slot);
+        }
+        t.recovered();
+        for i in 1..=3 {
+            let Reserve::Slot { slot, .. } = t.reserve(k(i)) else {
+                panic!("a free slot for {i}");
+            };
+            t.written(slot, k(i));
+        }
+        // k(1) is read: it outlives the unread blocks; the oldest unread
+        // one goes.
+        let s1 = t.pin(&k(1)).expect("k(1) is stored");
+        t.unpin(s1, &k(1), false, &mut Vec::new());
+        assert!(matches!(
+            t.reserve(k(4)),
+            Reserve::Slot { evicted: true, .. }
+        ));
+        assert_eq!(t.slot_of(&k(2)), None);
+        assert!(t.slot_of(&k(1)).is_some() && t.slot_of(&k(3)).is_some());
+        // k(4) is being written and the others are read: nothing to take.
+        t.pin(&k(1));
+        t.pin(&k(3));
+        assert_eq!(t.reserve(k(5)), Reserve::Full);
+    }
+
+    #[test]
     fn a_corrupt_block_is_dropped_once_and_wiped_after_its_last_reader() {
-        let mut t = SlotTable::new(1);
+        let mut t = SlotTable::new(1, EvictionKind::Clock);
         assert!(t.recover(0, k(1)));
         assert!(!t.recover(0, k(1)), "first slot seen wins");
         t.pin(&k(1));

@@ -6,10 +6,10 @@
 //! written) are passed over. Two turns of the hand visit every slot with its
 //! bit cleared once, so a victim is found whenever one exists.
 //!
-//! [`sweep`] holds no state of its own beyond the hand: G3's slot table
-//! keeps the reference bits where its slots are and tells the sweep what it
-//! sees. [`Clock`] is the same rule over keys, behind the [`Eviction`]
-//! trait, so CLOCK can run in G2 and in the trace simulator too.
+//! [`sweep`] is the hand's walk, over any array whose owner says what it
+//! sees at each place; [`Clock`] is CLOCK over keys behind the
+//! [`Eviction`] trait (G3's rule over its slots before kvtier's own, and a
+//! policy the trace simulator can run).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -153,9 +153,14 @@ impl<K: Hash + Eq + Clone + Send + fmt::Debug> Eviction<K> for Clock<K> {
     }
 
     fn evict_one(&mut self) -> Option<K> {
+        self.evict_where(&mut |_| true)
+    }
+
+    fn evict_where(&mut self, may_take: &mut dyn FnMut(&K) -> bool) -> Option<K> {
         let ring = &mut self.ring;
         let victim = sweep(&mut self.hand, ring.len(), |i| match ring[i].as_mut() {
             None => Visit::Skip,
+            Some(entry) if !may_take(&entry.0) => Visit::Skip,
             Some(entry) if entry.2 => {
                 entry.2 = false;
                 Visit::SecondChance

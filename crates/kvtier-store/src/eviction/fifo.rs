@@ -103,16 +103,33 @@ impl<K: Hash + Eq + Clone + Send + fmt::Debug> Eviction<K> for Fifo<K> {
     }
 
     fn evict_one(&mut self) -> Option<K> {
+        self.evict_where(&mut |_| true)
+    }
+
+    fn evict_where(&mut self, may_take: &mut dyn FnMut(&K) -> bool) -> Option<K> {
+        let mut refused = Vec::new();
+        let mut found = None;
         while let Some((k, s)) = self.order.pop_front() {
-            if let Some(&(w, seq)) = self.resident.get(&k)
-                && seq == s
-            {
-                self.resident.remove(&k);
-                self.used -= w;
-                return Some(k);
+            let Some(&(w, seq)) = self.resident.get(&k) else {
+                continue;
+            };
+            if seq != s {
+                continue;
             }
+            if !may_take(&k) {
+                refused.push((k, s));
+                continue;
+            }
+            self.resident.remove(&k);
+            self.used -= w;
+            found = Some(k);
+            break;
         }
-        None
+        // Refused keys keep their place at the head, in order.
+        for slot in refused.into_iter().rev() {
+            self.order.push_front(slot);
+        }
+        found
     }
 }
 

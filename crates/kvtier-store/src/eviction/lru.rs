@@ -98,6 +98,12 @@ impl<K: Hash + Eq + Clone + Send + fmt::Debug> Eviction<K> for Lru<K> {
     fn evict_one(&mut self) -> Option<K> {
         self.queue.pop_leaf(0, |_, _| true).map(|(k, _, _)| k)
     }
+
+    fn evict_where(&mut self, may_take: &mut dyn FnMut(&K) -> bool) -> Option<K> {
+        self.queue
+            .pop_leaf(0, |k, _| may_take(k))
+            .map(|(k, _, _)| k)
+    }
 }
 
 #[cfg(test)]

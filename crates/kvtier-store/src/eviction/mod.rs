@@ -7,9 +7,8 @@
 //! * [`s3fifo`]: byte-weighted S3-FIFO over keys, flat.
 //! * [`leaves`]: the resident prefix forest with its leaves in priority
 //!   order, which the chain-aware policies share.
-//! * [`clock`]: CLOCK (second chance) over fixed slots, for G3, where a
-//!   victim is a slot to overwrite and pinned slots are never chosen; and
-//!   the same over keys ([`Clock`]).
+//! * [`clock`]: CLOCK (second chance): the hand's sweep, and CLOCK over
+//!   keys ([`Clock`]).
 
 pub mod clock;
 pub mod fifo;

@@ -53,6 +53,11 @@ pub trait Eviction<K>: Send + fmt::Debug {
 
     /// Evicts one key by the policy's rule; `None` when empty.
     fn evict_one(&mut self) -> Option<K>;
+
+    /// Evicts one key `may_take` accepts, by the policy's rule among
+    /// those (G3 passes over slots pinned by readers); `None` when no
+    /// resident key is accepted. Refused keys stay resident.
+    fn evict_where(&mut self, may_take: &mut dyn FnMut(&K) -> bool) -> Option<K>;
 }
 
 /// The eviction policies a tier can run.
@@ -128,5 +133,31 @@ impl FromStr for EvictionKind {
                     names.join(", ")
                 )
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_policy_parses_by_name_and_passes_over_refused_keys() {
+        for kind in EvictionKind::ALL {
+            assert_eq!(kind.as_str().parse::<EvictionKind>(), Ok(kind));
+            let mut p = kind.build::<u32>(4);
+            for k in 0..4 {
+                assert!(p.insert(k, 1, None).is_empty(), "{kind}");
+            }
+            // Only 3 may go: whatever the rule's order, 3 is the one taken,
+            // the refused keys stay resident, and with nothing acceptable
+            // left nothing is taken.
+            assert_eq!(p.evict_where(&mut |k| *k == 3), Some(3), "{kind}");
+            assert_eq!(p.len(), 3, "{kind}");
+            assert!((0..3).all(|k| p.contains(&k)), "{kind}");
+            assert_eq!(p.evict_where(&mut |_| false), None, "{kind}");
+            assert_eq!(p.len(), 3, "{kind}");
+            assert_eq!(p.used(), 3, "{kind}");
+        }
+        assert!("mru".parse::<EvictionKind>().is_err());
     }
 }

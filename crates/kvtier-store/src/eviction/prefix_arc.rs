@@ -137,17 +137,17 @@ impl<K: Hash + Eq + Clone> PrefixArc<K> {
         }
     }
 
-    /// Evicts one leaf other than `keep`: from probation while it is over
+    /// Evicts one leaf `may_take` accepts: from probation while it is over
     /// its target, else from main; from the other when the first has no
-    /// leaf.
-    fn evict(&mut self, keep: Option<&K>) -> Option<K> {
+    /// such leaf.
+    fn evict(&mut self, may_take: &mut dyn FnMut(&K) -> bool) -> Option<K> {
         let order = if self.queue.used_in(PROBATION) > self.target {
             [PROBATION, MAIN]
         } else {
             [MAIN, PROBATION]
         };
         for class in order {
-            if let Some((k, _, _)) = self.queue.pop_leaf(class, |k, _| Some(k) != keep) {
+            if let Some((k, _, _)) = self.queue.pop_leaf(class, |k, _| may_take(k)) {
                 self.hit.remove(&k);
                 let cap = (GHOST_PER_RESIDENT * self.queue.len()).max(GHOST_MIN);
                 self.ghosts[class].push(k.clone(), cap);
@@ -203,7 +203,7 @@ impl<K: Hash + Eq + Clone + Send + fmt::Debug> Eviction<K> for PrefixArc<K> {
         }
         let mut evicted = Vec::new();
         while self.queue.used() > self.capacity {
-            match self.evict(Some(&key)) {
+            match self.evict(&mut |k| *k != key) {
                 Some(k) => evicted.push(k),
                 None => {
                     self.remove(&key);
@@ -221,7 +221,11 @@ impl<K: Hash + Eq + Clone + Send + fmt::Debug> Eviction<K> for PrefixArc<K> {
     }
 
     fn evict_one(&mut self) -> Option<K> {
-        self.evict(None)
+        self.evict(&mut |_| true)
+    }
+
+    fn evict_where(&mut self, may_take: &mut dyn FnMut(&K) -> bool) -> Option<K> {
+        self.evict(may_take)
     }
 }
 

@@ -359,6 +359,11 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
     /// one key is evicted; each key can be re-queued at most a bounded
     /// number of times per hit, so the cost is O(1) amortised.
     pub fn evict_one(&mut self) -> Option<K> {
+        self.evict_one_weighed().map(|(k, _)| k)
+    }
+
+    /// [`S3Fifo::evict_one`] with the evicted key's weight.
+    fn evict_one_weighed(&mut self) -> Option<(K, u64)> {
         loop {
             let from_small = self.small.live > 0
                 && (self.small.bytes >= self.small_target || self.main.live == 0);
@@ -383,7 +388,7 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
                     let seq = self.bump_seq();
                     self.ghost.push(key.clone(), seq);
                     self.trim_ghost();
-                    return Some(key);
+                    return Some((key, entry.weight));
                 }
             } else {
                 let (key, entry) = self.main.pop_live(&self.entries)?;
@@ -395,7 +400,7 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
                     self.entries.remove(&key);
                     self.used -= entry.weight;
                     self.trim_ghost();
-                    return Some(key);
+                    return Some((key, entry.weight));
                 }
             }
         }
@@ -556,6 +561,28 @@ impl<K: Hash + Eq + Clone + Send + std::fmt::Debug> super::Eviction<K> for S3Fif
 
     fn evict_one(&mut self) -> Option<K> {
         S3Fifo::evict_one(self)
+    }
+
+    /// S3-FIFO's queues have no "pass over this one": a refused key is
+    /// evicted and inserted again, which is rare where this is used (slots
+    /// pinned by a reader).
+    fn evict_where(&mut self, may_take: &mut dyn FnMut(&K) -> bool) -> Option<K> {
+        let mut refused = Vec::new();
+        let mut found = None;
+        for _ in 0..self.entries.len() {
+            let Some((k, w)) = self.evict_one_weighed() else {
+                break;
+            };
+            if may_take(&k) {
+                found = Some(k);
+                break;
+            }
+            refused.push((k, w));
+        }
+        for (k, w) in refused {
+            S3Fifo::insert(self, k, w);
+        }
+        found
     }
 }
 

@@ -86,9 +86,9 @@ pub struct StoreConfig {
     pub admit_on_second_sighting: bool,
     /// Distinct keys the admission filter remembers.
     pub admission_window: usize,
-    /// G2's eviction policy (default kvtier's own,
-    /// [`EvictionKind::Kvtier`]); ignored with `shared_memory`, which has
-    /// its own.
+    /// The eviction policy of G2 and G3 (default kvtier's own,
+    /// [`EvictionKind::Kvtier`]); G2 takes it from `shared_memory` instead
+    /// when one is set.
     pub eviction: EvictionKind,
     /// Bytes of evicted blocks that may wait for write-back before puts wait.
     pub writeback_max_bytes: u64,
@@ -344,6 +344,7 @@ impl TieredStore {
             Some(mut dc) => {
                 dc.layout = spec.layout;
                 dc.fingerprint = spec.fingerprint;
+                dc.eviction = config.eviction;
                 let disk = Arc::new(DiskTier::open(
                     dc,
                     engine.clone(),
