@@ -29,6 +29,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use kvtier_energy::CostModel;
+use kvtier_store::eviction::EvictionKind;
 use serde::{Deserialize, Serialize};
 
 use crate::prefix::PrefixTree;
@@ -239,10 +240,10 @@ pub fn plan(
             }
         }
     }
-    let kvtier = SimPolicy::parse("kvtier").unwrap_or(SimPolicy::Belady);
+    let kvtier = SimPolicy::Online(EvictionKind::Kvtier);
     let runs = run_all(tree, kvtier, &capacities, from, threads);
     let g1 = configs.first().map_or(hw.g1_kv_bytes, |t| t.g1_bytes);
-    let lru = SimPolicy::parse("lru").unwrap_or(SimPolicy::Belady);
+    let lru = SimPolicy::Online(EvictionKind::Lru);
     let base_run = (blocks(g1) > 0).then(|| sim::run(tree, lru, blocks(g1), from));
 
     let measured: Vec<u64> = tree.requests[from..]

@@ -20,30 +20,19 @@ use serde::Serialize;
 use crate::prefix::{Hits, PrefixTree, ROOT};
 
 /// A policy the simulator runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SimPolicy {
     /// One of the store's online policies.
-    Online(EvictionKindOrd),
+    Online(EvictionKind),
     /// Belady with bypass, the offline optimum.
     Belady,
-}
-
-/// [`EvictionKind`] with an order (the listing order of [`EvictionKind::ALL`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EvictionKindOrd(usize);
-
-impl EvictionKindOrd {
-    /// The kind.
-    pub fn kind(self) -> EvictionKind {
-        EvictionKind::ALL[self.0]
-    }
 }
 
 impl SimPolicy {
     /// The policy's name.
     pub fn name(self) -> &'static str {
         match self {
-            Self::Online(k) => k.kind().as_str(),
+            Self::Online(k) => k.as_str(),
             Self::Belady => "belady",
         }
     }
@@ -54,20 +43,7 @@ impl SimPolicy {
         if s.trim() == "belady" {
             return Ok(Self::Belady);
         }
-        let kind: EvictionKind = s.parse()?;
-        let i = EvictionKind::ALL
-            .iter()
-            .position(|k| *k == kind)
-            .unwrap_or(0);
-        Ok(Self::Online(EvictionKindOrd(i)))
-    }
-
-    /// The default list: every policy.
-    pub fn all() -> Vec<SimPolicy> {
-        ["lru", "fifo", "s3fifo", "kvtier", "belady"]
-            .iter()
-            .filter_map(|s| Self::parse(s).ok())
-            .collect()
+        Ok(Self::Online(s.parse()?))
     }
 }
 
@@ -213,7 +189,7 @@ pub fn run_with(
     match policy {
         SimPolicy::Belady => crate::belady::run(tree, capacity, from),
         SimPolicy::Online(k) => {
-            let mut p = k.kind().build::<u32>(capacity);
+            let mut p = k.build::<u32>(capacity);
             run_admitted(
                 tree,
                 p.as_mut(),

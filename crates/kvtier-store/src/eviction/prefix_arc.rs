@@ -71,8 +71,6 @@ pub struct PrefixArc<K> {
     queue: LeafQueue<K>,
     /// The keys evicted from each class, oldest first.
     ghosts: [Ghost<K>; 2],
-    /// Keys hit since they came in.
-    hit: HashMap<K, ()>,
     capacity: u64,
     /// Weight probation may hold before it is evicted from first.
     target: u64,
@@ -86,7 +84,6 @@ impl<K: Hash + Eq + Clone> PrefixArc<K> {
         Self {
             queue: LeafQueue::new(),
             ghosts: [Ghost::default(), Ghost::default()],
-            hit: HashMap::new(),
             capacity,
             target: capacity / 100 * FIRST_TARGET_PERCENT
                 + capacity % 100 * FIRST_TARGET_PERCENT / 100,
@@ -148,7 +145,6 @@ impl<K: Hash + Eq + Clone> PrefixArc<K> {
         };
         for class in order {
             if let Some((k, _, _)) = self.queue.pop_leaf(class, |k, _| may_take(k)) {
-                self.hit.remove(&k);
                 let cap = (GHOST_PER_RESIDENT * self.queue.len()).max(GHOST_MIN);
                 self.ghosts[class].push(k.clone(), cap);
                 return Some(k);
@@ -183,7 +179,6 @@ impl<K: Hash + Eq + Clone + Send + fmt::Debug> Eviction<K> for PrefixArc<K> {
         if !self.queue.contains(key) {
             return false;
         }
-        self.hit.insert(key.clone(), ());
         let p = self.priority(true);
         self.queue.set_class(key, MAIN, p)
     }
@@ -216,7 +211,6 @@ impl<K: Hash + Eq + Clone + Send + fmt::Debug> Eviction<K> for PrefixArc<K> {
     }
 
     fn remove(&mut self, key: &K) -> Option<u64> {
-        self.hit.remove(key);
         self.queue.remove(key)
     }
 
