@@ -13,6 +13,7 @@
 //! * [`belady`]: the offline optimum (Belady with bypass).
 //! * [`plot`]: hit rate against capacity, as SVG.
 //! * [`plan`]: `kvtier plan`, tiers sized for a trace, model and machine.
+//! * [`prompts`]: token-id prompts from block ids, for a live replay.
 
 pub mod belady;
 pub mod format;
@@ -20,6 +21,7 @@ pub mod model_kv;
 pub mod plan;
 pub mod plot;
 pub mod prefix;
+pub mod prompts;
 pub mod sim;
 pub mod stats;
 pub mod trace;
