@@ -14,7 +14,7 @@
 
 use kvtier_store::eviction::LeafQueue;
 
-use crate::prefix::{Hits, NEVER, PrefixTree, ROOT};
+use crate::prefix::{Hits, NEVER, PrefixTree, ROOT, look_up};
 use crate::sim::Outcome;
 
 /// Runs the optimum at `capacity` blocks, measuring requests from `from`.
@@ -27,20 +27,14 @@ pub fn run(tree: &PrefixTree, capacity: u64, from: usize) -> Outcome {
     // Lower priorities go first: the furthest next use is the lowest.
     let priority = |next: u32| u64::from(NEVER - next);
     for (i, r) in tree.requests.iter().enumerate() {
-        let mut alive = true;
-        let before = hits.hit_tokens;
-        for e in r.clone() {
+        let got = look_up(tree, r.clone(), i >= from, &mut hits, |e, alive| {
             let n = tree.node[e];
             let hit = q.contains(&n);
-            if i >= from {
-                hits.count(tree.tokens[e], alive && hit);
-            }
             if alive && hit {
                 q.set_priority(&n, priority(tree.next_use[e]));
-            } else if !hit {
-                alive = false;
             }
-        }
+            hit
+        });
         let mark = i as u32;
         for e in r.clone() {
             let n = tree.node[e];
@@ -75,7 +69,7 @@ pub fn run(tree: &PrefixTree, capacity: u64, from: usize) -> Outcome {
             }
         }
         if i >= from {
-            request_hits.push((hits.hit_tokens - before) as u32);
+            request_hits.push(got as u32);
         }
     }
     Outcome {

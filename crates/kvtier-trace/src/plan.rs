@@ -61,7 +61,7 @@ pub struct Hardware {
 }
 
 /// The keys a hardware file must give a source for.
-const SOURCED: [&str; 11] = [
+pub const SOURCED: [&str; 11] = [
     "prefill_flops_per_s",
     "busy_watts",
     "g1_kv_bytes",

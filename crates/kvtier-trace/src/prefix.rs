@@ -112,6 +112,28 @@ impl PrefixTree {
     }
 }
 
+/// Looks request `r` up under the prefix rule: `probe(event, alive)` says
+/// whether the event's block is cached (and records the hit when `alive`,
+/// every earlier block of the request having hit); each block is counted
+/// into `hits` when `measured`. Returns the request's hit tokens.
+pub fn look_up(
+    tree: &PrefixTree,
+    r: Range<usize>,
+    measured: bool,
+    hits: &mut Hits,
+    mut probe: impl FnMut(usize, bool) -> bool,
+) -> u64 {
+    let before = hits.hit_tokens;
+    let mut alive = true;
+    for e in r {
+        alive &= probe(e, alive);
+        if measured {
+            hits.count(tree.tokens[e], alive);
+        }
+    }
+    hits.hit_tokens - before
+}
+
 /// Hits over a measured part of a trace.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Hits {

@@ -17,7 +17,7 @@ use kvtier_store::admission::SecondSighting;
 use kvtier_store::eviction::{Eviction, EvictionKind};
 use serde::Serialize;
 
-use crate::prefix::{Hits, PrefixTree, ROOT};
+use crate::prefix::{Hits, PrefixTree, ROOT, look_up};
 
 /// A policy the simulator runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -123,21 +123,17 @@ pub fn run_admitted(
     let mut request_hits = Vec::new();
     let (mut writes, mut filled) = (0u64, false);
     for (i, r) in tree.requests.iter().enumerate() {
-        let mut alive = true;
-        let before = hits.hit_tokens;
-        for e in r.clone() {
+        let got = look_up(tree, r.clone(), i >= from, &mut hits, |e, alive| {
             let n = tree.node[e];
             let hit = policy.contains(&n);
-            if i >= from {
-                hits.count(tree.tokens[e], alive && hit);
-            }
             if alive && hit {
                 policy.touch(&n);
-            } else if !hit {
-                alive = false;
             }
-            if let Some(a) = admission.as_mut() {
-                a.record(&n);
+            hit
+        });
+        if let Some(a) = admission.as_mut() {
+            for e in r.clone() {
+                a.record(&tree.node[e]);
             }
         }
         for e in r.clone() {
@@ -160,7 +156,7 @@ pub fn run_admitted(
             filled |= policy.used() >= capacity && i < from;
         }
         if i >= from {
-            request_hits.push((hits.hit_tokens - before) as u32);
+            request_hits.push(got as u32);
         }
     }
     Outcome {

@@ -208,6 +208,19 @@ pub(crate) fn for_each_line(
     }
 }
 
+/// [`for_each_line`] for JSONL: `f(line_number, value)` for every line,
+/// a line that is not JSON an error naming it.
+pub(crate) fn for_each_json_line(
+    path: &Path,
+    mut f: impl FnMut(usize, serde_json::Value) -> Result<(), TraceError>,
+) -> Result<(), TraceError> {
+    for_each_line(path, |n, line| {
+        let v = serde_json::from_str(line)
+            .map_err(|e| TraceError::line(path, n, format!("not JSON: {e}")))?;
+        f(n, v)
+    })
+}
+
 /// Tokens in block `index` of a prompt of `input` tokens cut in blocks of
 /// `block_size`: full blocks, then what is left (at least 1).
 pub fn block_tokens(input: u64, block_size: u32, index: usize) -> u32 {

@@ -10,19 +10,7 @@ use kvtier_trace::{Format, Request, Trace};
 
 fn hardware() -> Hardware {
     let mut sources = BTreeMap::new();
-    for k in [
-        "prefill_flops_per_s",
-        "busy_watts",
-        "g1_kv_bytes",
-        "g2_read_bytes_per_s",
-        "g3_read_bytes_per_s",
-        "g4_read_bytes_per_s",
-        "cost.capex_usd",
-        "cost.service_years",
-        "cost.electricity_usd_per_kwh",
-        "cost.pue",
-        "cost.other_usd_per_hour",
-    ] {
+    for k in plan::SOURCED {
         sources.insert(k.to_owned(), "the worked example".to_owned());
     }
     Hardware {

@@ -250,28 +250,9 @@ impl<K: Hash + Eq + Clone> LeafQueue<K> {
     pub fn pop_leaf(
         &mut self,
         class: usize,
-        mut may_take: impl FnMut(&K, u64) -> bool,
+        may_take: impl FnMut(&K, u64) -> bool,
     ) -> Option<(K, u64, u64)> {
-        let class = class.min(CLASSES - 1);
-        let mut refused = Vec::new();
-        let mut found = None;
-        while let Some(entry) = self.heaps[class].pop() {
-            let Reverse((priority, _, slot, version)) = entry;
-            if !self.live(slot, version, priority) {
-                continue;
-            }
-            let Some(node) = self.nodes[slot].as_ref() else {
-                continue;
-            };
-            if !may_take(&node.key, priority) {
-                refused.push(entry);
-                continue;
-            }
-            found = Some(slot);
-            break;
-        }
-        self.heaps[class].extend(refused);
-        let slot = found?;
+        let Reverse((_, _, slot, _)) = self.seek(class, may_take)?;
         let node = self.nodes[slot].take()?;
         self.free.push(slot);
         self.index.remove(&node.key);
@@ -286,8 +267,24 @@ impl<K: Hash + Eq + Clone> LeafQueue<K> {
     pub fn peek_leaf(
         &mut self,
         class: usize,
-        mut may_take: impl FnMut(&K, u64) -> bool,
+        may_take: impl FnMut(&K, u64) -> bool,
     ) -> Option<(K, u64)> {
+        let class = class.min(CLASSES - 1);
+        let entry = self.seek(class, may_take)?;
+        let Reverse((priority, _, slot, _)) = entry;
+        let key = self.nodes[slot].as_ref()?.key.clone();
+        self.heaps[class].push(entry);
+        Some((key, priority))
+    }
+
+    /// Takes off `class`'s heap the entry of the lowest-priority leaf
+    /// `may_take` accepts (stale entries are dropped on the way, refused
+    /// ones put back).
+    fn seek(
+        &mut self,
+        class: usize,
+        mut may_take: impl FnMut(&K, u64) -> bool,
+    ) -> Option<HeapEntry> {
         let class = class.min(CLASSES - 1);
         let mut refused = Vec::new();
         let mut found = None;
@@ -299,11 +296,11 @@ impl<K: Hash + Eq + Clone> LeafQueue<K> {
             let Some(node) = self.nodes[slot].as_ref() else {
                 continue;
             };
-            refused.push(entry);
             if may_take(&node.key, priority) {
-                found = Some((node.key.clone(), priority));
+                found = Some(entry);
                 break;
             }
+            refused.push(entry);
         }
         self.heaps[class].extend(refused);
         found

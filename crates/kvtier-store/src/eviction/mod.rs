@@ -5,6 +5,7 @@
 //! * [`lru`]: LRU over the leaves of the prefix forest.
 //! * [`fifo`]: FIFO, flat over keys.
 //! * [`s3fifo`]: byte-weighted S3-FIFO over keys, flat.
+//! * `ghost`: the ghost list of recently evicted keys (S3-FIFO, kvtier's).
 //! * [`leaves`]: the resident prefix forest with its leaves in priority
 //!   order, which the chain-aware policies share.
 //! * [`clock`]: CLOCK (second chance): the hand's sweep, and CLOCK over
@@ -12,6 +13,7 @@
 
 pub mod clock;
 pub mod fifo;
+mod ghost;
 pub mod leaves;
 pub mod lru;
 pub mod policy;

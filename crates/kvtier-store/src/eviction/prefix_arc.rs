@@ -37,10 +37,10 @@
 //! capacity and move the target; the ghosts and the hit bonus are counted
 //! in keys, so the policy behaves the same whatever a block weighs.
 
-use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::hash::Hash;
 
+use super::ghost::Ghost;
 use super::{Eviction, LeafQueue};
 
 /// The class of blocks not hit since they came in.
@@ -71,6 +71,8 @@ pub struct PrefixArc<K> {
     queue: LeafQueue<K>,
     /// The keys evicted from each class, oldest first.
     ghosts: [Ghost<K>; 2],
+    /// Numbers the ghosts' entries.
+    ghost_seq: u64,
     capacity: u64,
     /// Weight probation may hold before it is evicted from first.
     target: u64,
@@ -83,7 +85,8 @@ impl<K: Hash + Eq + Clone> PrefixArc<K> {
     pub fn new(capacity: u64) -> Self {
         Self {
             queue: LeafQueue::new(),
-            ghosts: [Ghost::default(), Ghost::default()],
+            ghosts: [Ghost::new(), Ghost::new()],
+            ghost_seq: 0,
             capacity,
             target: capacity / 100 * FIRST_TARGET_PERCENT
                 + capacity % 100 * FIRST_TARGET_PERCENT / 100,
@@ -146,7 +149,9 @@ impl<K: Hash + Eq + Clone> PrefixArc<K> {
         for class in order {
             if let Some((k, _, _)) = self.queue.pop_leaf(class, |k, _| may_take(k)) {
                 let cap = (GHOST_PER_RESIDENT * self.queue.len()).max(GHOST_MIN);
-                self.ghosts[class].push(k.clone(), cap);
+                self.ghost_seq += 1;
+                self.ghosts[class].push(k.clone(), self.ghost_seq);
+                self.ghosts[class].trim(cap);
                 return Some(k);
             }
         }
@@ -220,56 +225,6 @@ impl<K: Hash + Eq + Clone + Send + fmt::Debug> Eviction<K> for PrefixArc<K> {
 
     fn evict_where(&mut self, may_take: &mut dyn FnMut(&K) -> bool) -> Option<K> {
         self.evict(may_take)
-    }
-}
-
-/// Keys recently evicted from one class, oldest first, with lazy deletion
-/// of the ones taken back.
-#[derive(Debug)]
-struct Ghost<K> {
-    /// Key -> the sequence number of its live slot in `order`.
-    members: HashMap<K, u64>,
-    order: VecDeque<(K, u64)>,
-    seq: u64,
-}
-
-impl<K> Default for Ghost<K> {
-    fn default() -> Self {
-        Self {
-            members: HashMap::new(),
-            order: VecDeque::new(),
-            seq: 0,
-        }
-    }
-}
-
-impl<K: Hash + Eq + Clone> Ghost<K> {
-    fn len(&self) -> usize {
-        self.members.len()
-    }
-
-    /// Remembers `key`, forgetting the oldest beyond `cap`.
-    fn push(&mut self, key: K, cap: usize) {
-        self.seq += 1;
-        self.members.insert(key.clone(), self.seq);
-        self.order.push_back((key, self.seq));
-        while self.members.len() > cap {
-            let Some((k, s)) = self.order.pop_front() else {
-                break;
-            };
-            if self.members.get(&k) == Some(&s) {
-                self.members.remove(&k);
-            }
-        }
-        if self.order.len() > 2 * self.members.len() + GHOST_MIN {
-            let m = &self.members;
-            self.order.retain(|(k, s)| m.get(k) == Some(s));
-        }
-    }
-
-    /// Forgets `key`; true when it was remembered.
-    fn take(&mut self, key: &K) -> bool {
-        self.members.remove(key).is_some()
     }
 }
 

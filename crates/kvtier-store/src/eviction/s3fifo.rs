@@ -52,6 +52,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 
+use super::ghost::Ghost;
+
 /// The frequency counter saturates here (the paper's 2-bit counter).
 const MAX_FREQ: u8 = 3;
 
@@ -136,66 +138,6 @@ impl<K: Hash + Eq> Fifo<K> {
         if self.slots.len() - self.live > self.live {
             self.slots.retain(|(key, seq)| is_live(entries, key, *seq));
             debug_assert_eq!(self.slots.len(), self.live);
-        }
-    }
-}
-
-/// The ghost FIFO: keys recently evicted from the small queue, with lazy
-/// deletion for keys that were re-admitted.
-#[derive(Debug)]
-struct Ghost<K> {
-    members: HashMap<K, u64>,
-    slots: VecDeque<(K, u64)>,
-}
-
-impl<K: Hash + Eq + Clone> Ghost<K> {
-    fn new() -> Self {
-        Self {
-            members: HashMap::new(),
-            slots: VecDeque::new(),
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.members.len()
-    }
-
-    fn push(&mut self, key: K, seq: u64) {
-        // A previous slot of the same key, if any, turns stale here.
-        self.members.insert(key.clone(), seq);
-        self.slots.push_back((key, seq));
-        self.maybe_compact();
-    }
-
-    /// Removes `key` from the ghost; true if it was there (a ghost hit).
-    fn take(&mut self, key: &K) -> bool {
-        let hit = self.members.remove(key).is_some();
-        if hit {
-            self.maybe_compact();
-        }
-        hit
-    }
-
-    /// Drops the oldest ghosts until at most `cap` remain.
-    fn trim(&mut self, cap: usize) {
-        while self.members.len() > cap {
-            let Some((key, seq)) = self.slots.pop_front() else {
-                break;
-            };
-            if self.members.get(&key) == Some(&seq) {
-                self.members.remove(&key);
-            }
-        }
-        self.maybe_compact();
-    }
-
-    fn maybe_compact(&mut self) {
-        let live = self.members.len();
-        if self.slots.len() - live > live {
-            let members = &self.members;
-            self.slots
-                .retain(|(key, seq)| members.get(key) == Some(seq));
-            debug_assert_eq!(self.slots.len(), live);
         }
     }
 }

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::trace::{Ids, ReadOptions, block_tokens, count, for_each_line, raw_id, seconds};
+use crate::trace::{Ids, ReadOptions, block_tokens, count, for_each_json_line, raw_id, seconds};
 use crate::{Format, Request, Trace, TraceError};
 
 /// The block size when neither the lines nor `--block-size` give one.
@@ -32,9 +32,7 @@ pub fn read(path: &Path, options: ReadOptions) -> Result<Trace, TraceError> {
     let mut sessions: HashMap<String, u64> = HashMap::new();
     let mut block_size: Option<u32> = options.block_size;
     let mut requests = Vec::new();
-    for_each_line(path, |n, line| {
-        let v: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| TraceError::line(path, n, format!("not JSON: {e}")))?;
+    for_each_json_line(path, |n, v| {
         let bad = |why: String| TraceError::line(path, n, why);
         let time_s = seconds(&v, "time_s").map_err(bad)?;
         let input_tokens = count(&v, "input_tokens").map_err(bad)?;

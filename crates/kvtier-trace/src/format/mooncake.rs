@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use crate::trace::{Ids, ReadOptions, block_tokens, count, for_each_line, raw_id, seconds};
+use crate::trace::{Ids, ReadOptions, block_tokens, count, for_each_json_line, raw_id, seconds};
 use crate::{Format, Request, Trace, TraceError};
 
 /// Mooncake's block size.
@@ -16,9 +16,7 @@ pub fn read(path: &Path, options: ReadOptions) -> Result<Trace, TraceError> {
     let block_size = options.block_size.unwrap_or(BLOCK_SIZE);
     let mut ids = Ids::default();
     let mut requests = Vec::new();
-    for_each_line(path, |n, line| {
-        let v: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| TraceError::line(path, n, format!("not JSON: {e}")))?;
+    for_each_json_line(path, |n, v| {
         let bad = |why: String| TraceError::line(path, n, why);
         let time_s = seconds(&v, "timestamp").map_err(bad)? / 1000.0;
         let input_tokens = count(&v, "input_length").map_err(bad)?;

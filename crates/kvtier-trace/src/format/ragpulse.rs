@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::trace::{Ids, ReadOptions, count, for_each_line, raw_id, seconds};
+use crate::trace::{Ids, ReadOptions, count, for_each_json_line, raw_id, seconds};
 use crate::{Format, Request, Trace, TraceError};
 
 /// The trace file's name.
@@ -60,9 +60,7 @@ pub fn read(path: &Path, options: ReadOptions) -> Result<Trace, TraceError> {
     let mut sessions = Ids::default();
     let mut requests = Vec::new();
     let (mut offset, mut last) = (0.0, 0.0);
-    for_each_line(&trace_file, |n, line| {
-        let v: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| TraceError::line(&trace_file, n, format!("not JSON: {e}")))?;
+    for_each_json_line(&trace_file, |n, v| {
         let bad = |why: String| TraceError::line(&trace_file, n, why);
         let t = seconds(&v, "timestamp").map_err(bad)?;
         if t < last {
@@ -162,9 +160,7 @@ fn cut(
 /// Chunk id -> token length, from one of the length files.
 fn chunk_lengths(path: &Path, field: &str) -> Result<HashMap<u64, u32>, TraceError> {
     let mut out = HashMap::new();
-    for_each_line(path, |n, line| {
-        let v: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| TraceError::line(path, n, format!("not JSON: {e}")))?;
+    for_each_json_line(path, |n, v| {
         let bad = |why: String| TraceError::line(path, n, why);
         let id = count(&v, field).map_err(bad)?;
         let len = count(&v, "token_length").map_err(bad)?;
