@@ -50,6 +50,37 @@ def example_transfer_config(path: str) -> str:
     )
 
 
+def vllm_command(
+    model: str,
+    port: int,
+    transfer_config: str | None = None,
+    kv_space_gb: int = 1,
+    max_model_len: int = 4096,
+    extra_args: list[str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a vLLM OpenAI server (CPU
+    backend) on 127.0.0.1:``port``; ``transfer_config`` (a
+    ``--kv-transfer-config`` JSON) adds a connector."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_space_gb),
+        VLLM_CPU_OMP_THREADS_BIND="auto",
+        VLLM_LOGGING_LEVEL="INFO",
+    )
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--dtype", "float32",
+        "--max-model-len", str(max_model_len),
+        "--enable-prefix-caching", "-O0",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    if transfer_config is not None:
+        cmd += ["--disable-hybrid-kv-cache-manager", "--kv-transfer-config", transfer_config]
+    cmd += extra_args or []
+    return cmd, env
+
+
 @dataclass
 class Reply:
     """One completion: its text, time to the first token, total time and
@@ -80,23 +111,7 @@ class VllmServer:
         self.model = model
         self.port = free_port()
         self.log = log
-        env = dict(os.environ)
-        env.update(
-            VLLM_TARGET_DEVICE="cpu",
-            VLLM_CPU_KVCACHE_SPACE=str(kv_space_gb),
-            VLLM_CPU_OMP_THREADS_BIND="auto",
-            VLLM_LOGGING_LEVEL="INFO",
-        )
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--dtype", "float32",
-            "--max-model-len", str(max_model_len),
-            "--enable-prefix-caching", "-O0",
-            "--host", "127.0.0.1", "--port", str(self.port),
-        ]  # fmt: skip
-        if transfer_config is not None:
-            cmd += ["--disable-hybrid-kv-cache-manager", "--kv-transfer-config", transfer_config]
-        cmd += extra_args or []
+        cmd, env = vllm_command(model, self.port, transfer_config, kv_space_gb, max_model_len, extra_args)
         self._out = open(log, "ab")
         # A session of its own: stop() and kill9() reach the engine core
         # and worker processes vLLM starts.

@@ -98,6 +98,8 @@ impl Default for EndpointOptions {
 const ERROR_BODY_LIMIT: u64 = 64 << 10;
 /// Largest model list read back from a server.
 const MODELS_BODY_LIMIT: u64 = 4 << 20;
+/// Largest metrics page read back from a server.
+const METRICS_BODY_LIMIT: u64 = 16 << 20;
 
 /// An OpenAI-compatible server, driven over HTTP (see the module docs for
 /// what is measured and how modes are handled).
@@ -234,7 +236,6 @@ impl Endpoint {
         max_tokens: usize,
         rec: &mut RequestRecord,
     ) -> Result<(), String> {
-        let url = format!("{}/v1/completions", self.base);
         let body = json!({
             "model": self.model,
             "prompt": session.text,
@@ -243,6 +244,97 @@ impl Endpoint {
             "stream": true,
             "stream_options": {"include_usage": true},
         });
+        let (state, e2e) = self.stream(&body)?;
+        state.fill(rec, e2e);
+        Ok(())
+    }
+
+    /// A greedy completion of a token-id prompt (`kvtier trace replay`):
+    /// exactly `max_tokens` tokens when `ignore_eos` (vLLM's extension,
+    /// which kvtier serve honours too), with the generated token ids asked
+    /// for as `token_id:N` log-probability names (vLLM's
+    /// `return_tokens_as_token_ids`), so outputs compare exactly. A failure
+    /// is in the record's `error`, never an `Err`.
+    pub fn complete_ids(&self, prompt: &[u32], max_tokens: usize, ignore_eos: bool) -> Completion {
+        let body = json!({
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": ignore_eos,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": true,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        let mut out = Completion {
+            record: RequestRecord {
+                prompt_tokens: prompt.len(),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        match self.stream(&body) {
+            Ok((state, e2e)) => {
+                state.fill(&mut out.record, e2e);
+                out.text = state.text;
+                out.record.tokens = state.token_ids;
+                out.itl_s = state.token_times.windows(2).map(|w| w[1] - w[0]).collect();
+            }
+            Err(e) => out.record.error = Some(e),
+        }
+        out
+    }
+
+    /// Waits until the server answers `GET /v1/models` with this model, or
+    /// `timeout` passes (a restarted server coming back).
+    pub fn wait_ready(&self, timeout: Duration) -> Result<(), BenchError> {
+        let until = Instant::now() + timeout;
+        loop {
+            match self.served_models() {
+                Ok(m) if m.contains(&self.model) => return Ok(()),
+                Ok(m) => {
+                    return Err(BenchError::Target(format!(
+                        "{} came back serving {} instead of {:?}",
+                        self.base,
+                        m.join(", "),
+                        self.model
+                    )));
+                }
+                Err(e) if Instant::now() >= until => {
+                    return Err(BenchError::Target(format!(
+                        "{} not ready after {:.0} s: {e}",
+                        self.base,
+                        timeout.as_secs_f64()
+                    )));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            }
+        }
+    }
+
+    /// The server's Prometheus text (`GET /metrics`), or `None` when it
+    /// serves none.
+    pub fn metrics_text(&self) -> Option<String> {
+        let url = format!("{}/metrics", self.base);
+        let resp = self
+            .agent
+            .get(&url)
+            .config()
+            .timeout_global(Some(self.options.probe_timeout))
+            .build()
+            .call()
+            .ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        Some(read_body(resp.into_body(), METRICS_BODY_LIMIT))
+    }
+
+    /// POSTs `body` to `/v1/completions` and reads its event stream;
+    /// returns what it told and the seconds to its end.
+    fn stream(&self, body: &Value) -> Result<(StreamState, f64), String> {
+        let url = format!("{}/v1/completions", self.base);
         let t0 = Instant::now();
         let resp = self
             .agent
@@ -282,9 +374,20 @@ impl Endpoint {
                 .map_err(|e| format!("unreadable stream chunk ({e}): {data:.200}"))?;
             state.absorb(&chunk, at)?;
         }
-        state.fill(rec, t0.elapsed().as_secs_f64());
-        Ok(())
+        Ok((state, t0.elapsed().as_secs_f64()))
     }
+}
+
+/// One completion of [`Endpoint::complete_ids`].
+#[derive(Debug, Clone, Default)]
+pub struct Completion {
+    /// Timing, token counts, hits per tier and the error, if any; `tokens`
+    /// holds the generated ids when the server named them.
+    pub record: RequestRecord,
+    /// The generated text.
+    pub text: String,
+    /// Seconds between consecutive generated tokens.
+    pub itl_s: Vec<f64>,
 }
 
 impl Target for Endpoint {

@@ -14,14 +14,15 @@
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use kvtier_energy::{CostModel, MeterOptions, PowerMeter, best_meter};
 
 use crate::accuracy;
 use crate::bench_error::BenchError;
 use crate::gates::Gates;
+use crate::progress::request_bar;
 use crate::report::{
     BenchReport, MachineInfo, Mode, Overlap, RequestRecord, RunSummary, TierTokens, ratios,
 };
@@ -49,21 +50,6 @@ pub struct RunOptions {
     pub meter: MeterOptions,
     /// Show progress bars (stderr).
     pub progress: bool,
-}
-
-fn bar(len: u64, msg: String, show: bool) -> ProgressBar {
-    if !show {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(len);
-    if let Ok(style) =
-        ProgressStyle::with_template("{msg:<28} [{bar:30}] {pos}/{len} requests {elapsed_precise}")
-    {
-        pb.set_style(style.progress_chars("=> "));
-    }
-    pb.set_message(msg);
-    pb.enable_steady_tick(Duration::from_millis(250));
-    pb
 }
 
 /// Runs every session once with `concurrency` clients.
@@ -232,7 +218,7 @@ pub fn run_cold_recovery(
     let n = list.len() as u64;
 
     // Pass 1: compute and store.
-    let pb = bar(n, "pass 1: compute + store".into(), opts.progress);
+    let pb = request_bar(n, "pass 1: compute + store".into(), opts.progress);
     target.begin(Mode::Kvtier, false)?;
     let (recs, pass1_s) = run_clients(&*target, &list, 1, 1, &pb);
     target.end()?;
@@ -267,7 +253,7 @@ pub fn run_cold_recovery(
             if mode == Mode::Kvtier {
                 (hooks.drop_page_cache)();
             }
-            let pb = bar(
+            let pb = request_bar(
                 n,
                 format!("{} at concurrency {c}", mode.as_str()),
                 opts.progress,
@@ -367,7 +353,7 @@ fn overlap_pairs(
     drop_page_cache: &mut dyn FnMut() -> bool,
     progress: bool,
 ) -> Result<(Vec<(RequestRecord, RequestRecord)>, bool), BenchError> {
-    let pb = bar(
+    let pb = request_bar(
         list.len() as u64,
         "restored, then prefix in G1".into(),
         progress,

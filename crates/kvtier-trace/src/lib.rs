@@ -14,6 +14,7 @@
 //! * [`plot`]: hit rate against capacity, as SVG.
 //! * [`plan`]: `kvtier plan`, tiers sized for a trace, model and machine.
 //! * [`prompts`]: token-id prompts from block ids, for a live replay.
+//! * [`sample`]: a share of a trace's conversations, each kept whole.
 
 pub mod belady;
 pub mod format;
@@ -22,6 +23,7 @@ pub mod plan;
 pub mod plot;
 pub mod prefix;
 pub mod prompts;
+pub mod sample;
 pub mod sim;
 pub mod stats;
 pub mod trace;

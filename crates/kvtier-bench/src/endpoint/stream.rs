@@ -44,6 +44,14 @@ pub(super) struct StreamState {
     cached_tokens: Option<usize>,
     tiers: Option<TierTokens>,
     restored_bytes: Option<u64>,
+    /// The generated text so far.
+    pub(super) text: String,
+    /// Generated token ids, where the server named them `token_id:N` in
+    /// the log probabilities.
+    pub(super) token_ids: Vec<u32>,
+    /// When each generated token arrived (seconds from the request), one
+    /// entry per named token, else per non-empty text chunk.
+    pub(super) token_times: Vec<f64>,
 }
 
 impl StreamState {
@@ -66,10 +74,27 @@ impl StreamState {
                 .or_else(|| choice.pointer("/delta/content"))
                 .and_then(Value::as_str)
                 .unwrap_or_default();
-            if !text.is_empty() {
+            let named: Vec<u32> = choice
+                .pointer("/logprobs/tokens")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t.as_str()?.strip_prefix("token_id:")?.parse().ok())
+                .collect();
+            if !text.is_empty() || !named.is_empty() {
+                // A named token is a token even when its text is a piece
+                // of a character still incomplete.
                 self.ttft_s.get_or_insert(at);
-                self.text_chunks += 1;
             }
+            if !text.is_empty() {
+                self.text_chunks += 1;
+                self.text.push_str(text);
+                if named.is_empty() {
+                    self.token_times.push(at);
+                }
+            }
+            self.token_times.extend(named.iter().map(|_| at));
+            self.token_ids.extend(named);
             if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {
                 self.finished = true;
             }
