@@ -44,12 +44,18 @@ struct Entry {
     owner: Owner,
     buf: Arc<AlignedBuf>,
     persisted: bool,
+    /// When it was inserted (the tier's insert count then): blocks handed
+    /// out in bulk go oldest first, not in the map's order, which differs
+    /// from process to process.
+    stamp: u64,
 }
 
 #[derive(Debug)]
 struct Inner {
     map: HashMap<BlockKey, Entry>,
     policy: Box<dyn Eviction<BlockKey>>,
+    /// Inserts so far (the last entry's stamp).
+    stamp: u64,
 }
 
 /// The G2 tier. Thread-safe; every method takes `&self`.
@@ -68,6 +74,7 @@ impl MemoryTier {
             inner: Mutex::new(Inner {
                 map: HashMap::new(),
                 policy: eviction.build(capacity_bytes),
+                stamp: 0,
             }),
             metrics,
         }
@@ -142,12 +149,15 @@ impl MemoryTier {
         let bytes = buf.len() as u64;
         let mut inner = self.inner.lock();
         let persisted = persisted || inner.map.get(&key).is_some_and(|e| e.persisted);
+        inner.stamp += 1;
+        let stamp = inner.stamp;
         inner.map.insert(
             key,
             Entry {
                 owner,
                 buf,
                 persisted,
+                stamp,
             },
         );
         let evicted_keys = inner.policy.insert(key, weight, parent);
@@ -218,15 +228,18 @@ impl MemoryTier {
         out
     }
 
-    /// Evicts every block of `owner` and returns them; the others stay.
+    /// Evicts every block of `owner` and returns them, oldest first; the
+    /// others stay.
     pub fn drain_owner(&self, owner: Owner) -> Vec<Evicted> {
         let mut inner = self.inner.lock();
-        let keys: Vec<BlockKey> = inner
+        let mut keys: Vec<(u64, BlockKey)> = inner
             .map
             .iter()
             .filter(|(_, e)| e.owner == owner)
-            .map(|(k, _)| *k)
+            .map(|(k, e)| (e.stamp, *k))
             .collect();
+        keys.sort_unstable();
+        let keys: Vec<BlockKey> = keys.into_iter().map(|(_, k)| k).collect();
         let mut out = Vec::with_capacity(keys.len());
         for key in keys {
             inner.policy.remove(&key);
@@ -244,15 +257,24 @@ impl MemoryTier {
         out
     }
 
-    /// Resident blocks of `owner` not yet in G3.
+    /// Resident blocks of `owner` not yet in G3, oldest first.
+    ///
+    /// In a fixed order because the order decides which G3 slot each gets
+    /// when they are written (at a clean stop, every G3 sync), and G3's
+    /// index is rebuilt in slot order at the next open: in the map's own
+    /// order, which changes from process to process, the same traffic
+    /// would leave G3 evicting in another order after each restart.
     pub fn dirty(&self, owner: Owner) -> Vec<(BlockKey, Arc<AlignedBuf>)> {
-        self.inner
-            .lock()
+        let inner = self.inner.lock();
+        let mut dirty: Vec<(u64, BlockKey, Arc<AlignedBuf>)> = inner
             .map
             .iter()
             .filter(|(_, e)| !e.persisted && e.owner == owner)
-            .map(|(k, e)| (*k, e.buf.clone()))
-            .collect()
+            .map(|(k, e)| (e.stamp, *k, e.buf.clone()))
+            .collect();
+        drop(inner);
+        dirty.sort_unstable_by_key(|(stamp, _, _)| *stamp);
+        dirty.into_iter().map(|(_, k, b)| (k, b)).collect()
     }
 
     /// Bytes it may hold.
@@ -334,6 +356,22 @@ mod tests {
         assert!(drained.iter().all(|e| e.persisted));
         assert!(tier.is_empty());
         assert_eq!(tier.used_bytes(), 0);
+    }
+
+    #[test]
+    fn dirty_and_drained_blocks_come_oldest_first() {
+        // The map's order differs between processes; these lists must not.
+        let tier = MemoryTier::new(1 << 20, EvictionKind::default(), TierMetrics::default());
+        for i in [9u8, 3, 7, 1, 5, 8, 2] {
+            tier.insert(0, key(i), block(i), false, None);
+        }
+        // Inserted again: the newest now.
+        tier.insert(0, key(3), block(3), false, None);
+        let want = [9u8, 7, 1, 5, 8, 2, 3];
+        let dirty: Vec<u8> = tier.dirty(0).iter().map(|(k, _)| k.0[0]).collect();
+        assert_eq!(dirty, want);
+        let drained: Vec<u8> = tier.drain_owner(0).iter().map(|e| e.key.0[0]).collect();
+        assert_eq!(drained, want);
     }
 
     #[test]
