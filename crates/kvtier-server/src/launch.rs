@@ -34,7 +34,7 @@ use crate::conn_limits::{self, ConnLimits};
 use crate::routes;
 use crate::serve_error::ServeError;
 use crate::serve_options::{ServeOptions, default_pool_pages};
-use crate::server_metrics::ServerMetrics;
+use crate::server_metrics::{KvCacheInfo, ServerMetrics};
 
 /// How long the runtime waits for its last tasks once the server stopped.
 const RUNTIME_SHUTDOWN: Duration = Duration::from_secs(10);
@@ -469,6 +469,7 @@ async fn prepare(opts: ServeOptions) -> Result<Ready, ServeError> {
             .map(|d| d.recovery().clone()),
     };
     eprintln!("{summary}");
+    let cache_info = KvCacheInfo::of(&engine, opts.eviction, opts.g3_sync);
     let scheduler = Arc::new(
         Scheduler::start(
             engine,
@@ -480,6 +481,7 @@ async fn prepare(opts: ServeOptions) -> Result<Ready, ServeError> {
         .map_err(|e| ServeError::io("cannot start the scheduler thread", e))?,
     );
     let metrics = Arc::new(ServerMetrics::new(store_metrics));
+    metrics.set_kv_cache_info(&cache_info);
     let state = Arc::new(
         AppState::new(
             model_name,

@@ -4,13 +4,16 @@
 //! Series (prefix `kvtier_server_`): `ttft_seconds` and
 //! `inter_token_seconds` histograms, `requests_total{endpoint,status}`,
 //! `prompt_tokens_total`, `cached_prompt_tokens_total{tier}` (g1/g2/g3),
-//! `restored_bytes_total`, `generated_tokens_total`, `requests_in_flight`.
+//! `restored_bytes_total`, `generated_tokens_total`, `requests_in_flight`,
+//! and `kv_cache_info{...} 1`, what the KV cache tiers are ([`KvCacheInfo`]).
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use kvtier_engine::CachedTokens;
 use kvtier_engine::scheduler::SchedulerSnapshot;
-use kvtier_store::{MetricsFormat, StoreMetrics};
+use kvtier_engine::{CachedTokens, Engine};
+use kvtier_store::eviction::EvictionKind;
+use kvtier_store::{MetricsFormat, StoreConfig, StoreMetrics, TieredStore};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -57,6 +60,119 @@ pub struct ServerMetrics {
     pub sequences: Family<Labels, Gauge>,
     /// G1 pages by use (`in_use`, `cached`, `free`).
     pub g1_pages: Family<Labels, Gauge>,
+    /// One series at 1 whose labels say what the KV cache tiers are
+    /// ([`KvCacheInfo`]).
+    pub kv_cache_info: Family<Labels, Gauge>,
+}
+
+/// What a running server's KV cache is, tier by tier: everything a model
+/// of its caching needs (`kvtier_trace::server_sim::ServerShape` reads it
+/// back from `/metrics`), taken from the engine and store as they run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvCacheInfo {
+    /// Tokens per G1 page and per store block.
+    pub block_tokens: usize,
+    /// G1 pages.
+    pub g1_pages: usize,
+    /// Cached KV is reused (off: every prompt recomputed, no store).
+    pub prefix_reuse: bool,
+    /// Prefixes are restored layer by layer (which takes their G1 pages
+    /// before the store is read).
+    pub layerwise_restore: bool,
+    /// A store (G2, G3 or G4) sits below G1.
+    pub store: bool,
+    /// G2's capacity in bytes.
+    pub g2_bytes: u64,
+    /// Bytes one stored block takes in G2: a whole slot's buffer, a prompt
+    /// tail's short block too.
+    pub block_bytes: u64,
+    /// G3's usable capacity in bytes (its slots).
+    pub g3_bytes: u64,
+    /// G3's slots (one block each).
+    pub g3_slots: u64,
+    /// Bytes of one G3 slot.
+    pub g3_slot_bytes: u64,
+    /// How often blocks only in G2 are written to G3, in milliseconds (0:
+    /// only when G2 evicts them and at a clean stop).
+    pub g3_sync_ms: u64,
+    /// G2's and G3's eviction policy.
+    pub eviction: EvictionKind,
+    /// The G3 admission filter's window in keys (`None`: off, every block
+    /// G2 evicts is written).
+    pub admission_window: Option<usize>,
+    /// Bytes the write-back queue holds before blocks are dropped.
+    pub writeback_max_bytes: u64,
+    /// How the store codes KV (`none`, `bf16`, ...).
+    pub codec: String,
+    /// A G4 pool is attached.
+    pub g4: bool,
+}
+
+impl KvCacheInfo {
+    /// The cache `engine` runs with; `eviction` and `g3_sync` are what its
+    /// store was opened with (the store does not say).
+    pub fn of(engine: &Engine, eviction: EvictionKind, g3_sync: Duration) -> Self {
+        let opts = engine.options();
+        let store = engine.store();
+        let disk = store.and_then(TieredStore::disk);
+        // `Engine::load` leaves these at the store's defaults.
+        let defaults = store.map(|s| StoreConfig::new(s.layout(), s.fingerprint()));
+        let g3_slots = disk.map_or(0, |d| d.capacity_slots() as u64);
+        let g3_slot_bytes = disk.map_or(0, |d| d.slot_bytes() as u64);
+        Self {
+            block_tokens: opts.block_tokens,
+            g1_pages: engine.total_pages(),
+            prefix_reuse: opts.prefix_reuse,
+            layerwise_restore: opts.layerwise_restore,
+            store: store.is_some(),
+            g2_bytes: store.map_or(0, |s| s.memory().capacity_bytes()),
+            block_bytes: store.map_or(0, |s| s.layout().encoded_bytes()),
+            g3_bytes: g3_slots * g3_slot_bytes,
+            g3_slots,
+            g3_slot_bytes,
+            g3_sync_ms: u64::try_from(g3_sync.as_millis()).unwrap_or(u64::MAX),
+            eviction,
+            admission_window: defaults
+                .as_ref()
+                .filter(|d| d.admit_on_second_sighting)
+                .map(|d| d.admission_window),
+            writeback_max_bytes: defaults.map_or(0, |d| d.writeback_max_bytes),
+            codec: store
+                .map_or("none", |s| s.layout().codec.name())
+                .to_string(),
+            g4: store.is_some_and(|s| s.remote().is_some()),
+        }
+    }
+
+    /// The series' labels, in this order.
+    pub fn labels(&self) -> Labels {
+        let admission = match self.admission_window {
+            Some(_) => "second-sighting",
+            None => "off",
+        };
+        vec![
+            ("block_tokens", self.block_tokens.to_string()),
+            ("g1_pages", self.g1_pages.to_string()),
+            ("prefix_reuse", self.prefix_reuse.to_string()),
+            ("layerwise_restore", self.layerwise_restore.to_string()),
+            ("store", self.store.to_string()),
+            ("g2_bytes", self.g2_bytes.to_string()),
+            ("block_bytes", self.block_bytes.to_string()),
+            ("g3_bytes", self.g3_bytes.to_string()),
+            ("g3_slots", self.g3_slots.to_string()),
+            ("g3_slot_bytes", self.g3_slot_bytes.to_string()),
+            ("g3_sync_ms", self.g3_sync_ms.to_string()),
+            ("eviction", self.eviction.to_string()),
+            ("admission", admission.to_string()),
+            (
+                "admission_window",
+                self.admission_window.unwrap_or(0).to_string(),
+            ),
+            ("writeback_max_bytes", self.writeback_max_bytes.to_string()),
+            ("codec", self.codec.clone()),
+            ("g4", if self.g4 { "on" } else { "none" }.to_string()),
+        ]
+    }
 }
 
 impl ServerMetrics {
@@ -83,6 +199,7 @@ impl ServerMetrics {
             request_seconds: Histogram::new(exponential_buckets(1e-2, 2.0, 16)),
             sequences: Family::default(),
             g1_pages: Family::default(),
+            kv_cache_info: Family::default(),
         };
         let register = |r: &mut Registry| {
             let s = r.sub_registry_with_prefix("kvtier_server");
@@ -149,6 +266,12 @@ impl ServerMetrics {
                  (idle prefixes kept for reuse), free",
                 m.g1_pages.clone(),
             );
+            s.register(
+                "kv_cache_info",
+                "The KV cache tiers as the server runs them (G1 pages, G2 and G3 capacities, \
+                 block and slot bytes, eviction, admission, write-back): 1, the facts in its labels",
+                m.kv_cache_info.clone(),
+            );
         };
         match &m.sink {
             Sink::Store(s) => s.with_registry(register),
@@ -190,6 +313,12 @@ impl ServerMetrics {
                 .inc_by(n as u64);
         }
         self.restored_bytes.inc_by(restored);
+    }
+
+    /// Sets the one `kv_cache_info` series (a server has one cache).
+    pub fn set_kv_cache_info(&self, info: &KvCacheInfo) {
+        self.kv_cache_info.clear();
+        self.kv_cache_info.get_or_create(&info.labels()).set(1);
     }
 
     /// Copies the scheduler's published queue depths and G1 use into
@@ -270,6 +399,40 @@ mod tests {
             assert!(text.contains(want), "{want} missing from\n{text}");
         }
         assert_eq!(text, store.render(), "one registry");
+
+        let info = KvCacheInfo {
+            block_tokens: 16,
+            g1_pages: 12,
+            prefix_reuse: true,
+            layerwise_restore: true,
+            store: true,
+            g2_bytes: 8 * 12288,
+            block_bytes: 12288,
+            g3_bytes: 20 * 12288,
+            g3_slots: 20,
+            g3_slot_bytes: 12288,
+            g3_sync_ms: 0,
+            eviction: EvictionKind::Kvtier,
+            admission_window: None,
+            writeback_max_bytes: 256 << 20,
+            codec: "none".into(),
+            g4: false,
+        };
+        m.set_kv_cache_info(&info);
+        m.set_kv_cache_info(&info);
+        let text = m.render(MetricsFormat::Prometheus);
+        let line = "kvtier_server_kv_cache_info{block_tokens=\"16\",g1_pages=\"12\",\
+                    prefix_reuse=\"true\",layerwise_restore=\"true\",store=\"true\",\
+                    g2_bytes=\"98304\",block_bytes=\"12288\",g3_bytes=\"245760\",\
+                    g3_slots=\"20\",g3_slot_bytes=\"12288\",g3_sync_ms=\"0\",\
+                    eviction=\"kvtier\",admission=\"off\",admission_window=\"0\",\
+                    writeback_max_bytes=\"268435456\",codec=\"none\",g4=\"none\"} 1";
+        assert!(text.contains(line), "{line} missing from\n{text}");
+        assert_eq!(
+            text.matches("kvtier_server_kv_cache_info{").count(),
+            1,
+            "one series"
+        );
 
         let own = ServerMetrics::new(None);
         own.generated_tokens.inc();

@@ -224,6 +224,67 @@ fn metrics_show_ttft_histogram_and_store_series() {
 }
 
 #[test]
+fn metrics_say_what_the_kv_cache_tiers_are() {
+    // One tiny block of 16 tokens is 8 KiB of f32 KV: with its header, a
+    // 12 KiB slot; G3's odd bytes are not a slot.
+    let s = Server::start(|o| {
+        o.pool_pages = Some(12);
+        o.g2_bytes = 10 * 12288;
+        o.g3_bytes = 20 * 12288 + 100;
+        o.g3_sync = std::time::Duration::ZERO;
+        o.eviction = kvtier_store::eviction::EvictionKind::Lru;
+    });
+    let text = s.get("/metrics").text();
+    let info = |text: &str| {
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.starts_with("kvtier_server_kv_cache_info{"))
+            .map(str::to_string)
+            .collect();
+        assert_eq!(lines.len(), 1, "{text}");
+        assert!(lines[0].ends_with("} 1"), "{}", lines[0]);
+        lines[0].clone()
+    };
+    let line = info(&text);
+    for want in [
+        "block_tokens=\"16\"",
+        "g1_pages=\"12\"",
+        "prefix_reuse=\"true\"",
+        "layerwise_restore=\"true\"",
+        "store=\"true\"",
+        "g2_bytes=\"122880\"",
+        "block_bytes=\"12288\"",
+        "g3_bytes=\"245760\"",
+        "g3_slots=\"20\"",
+        "g3_slot_bytes=\"12288\"",
+        "g3_sync_ms=\"0\"",
+        "eviction=\"lru\"",
+        "admission=\"off\"",
+        "writeback_max_bytes=\"268435456\"",
+        "codec=\"none\"",
+        "g4=\"none\"",
+    ] {
+        assert!(line.contains(want), "{want} missing from {line}");
+    }
+    drop(s);
+    // No reuse: no store, whatever its sizes say.
+    let s = Server::start(|o| {
+        o.prefix_reuse = false;
+        o.layerwise_restore = false;
+    });
+    let line = info(&s.get("/metrics").text());
+    for want in [
+        "prefix_reuse=\"false\"",
+        "layerwise_restore=\"false\"",
+        "store=\"false\"",
+        "g2_bytes=\"0\"",
+        "g3_slots=\"0\"",
+    ] {
+        assert!(line.contains(want), "{want} missing from {line}");
+    }
+}
+
+#[test]
 fn metrics_show_the_scheduler_queues_g1_pages_and_end_to_end_latency() {
     let s = Server::start(|o| o.pool_pages = Some(64));
     // Three blocks of 16 tokens and more: their pages stay cached in G1.
