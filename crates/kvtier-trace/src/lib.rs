@@ -14,6 +14,9 @@
 //! * [`plot`]: hit rate against capacity, as SVG.
 //! * [`plan`]: `kvtier plan`, tiers sized for a trace, model and machine.
 //! * [`prompts`]: token-id prompts from block ids, for a live replay.
+//! * [`server_sim`]: what `kvtier serve` itself caches, per request and
+//!   tier, token-exact at concurrency 1 (what a live replay is checked
+//!   against).
 //! * [`sample`]: a share of a trace's conversations, each kept whole.
 
 pub mod belady;
@@ -24,10 +27,12 @@ pub mod plot;
 pub mod prefix;
 pub mod prompts;
 pub mod sample;
+pub mod server_sim;
 pub mod sim;
 pub mod stats;
 pub mod trace;
 mod trace_error;
 
+pub use server_sim::{ServerShape, ServerSim, TierHits};
 pub use trace::{Format, Request, Trace, read};
 pub use trace_error::TraceError;
