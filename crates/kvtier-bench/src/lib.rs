@@ -22,6 +22,8 @@
 //!   [`model_synth`]: the synthetic models they load.
 //! * [`checkpoint_bench`]: durable checkpoint saves against the device's
 //!   write limit.
+//! * [`replay`]: a public trace replayed against live servers, the
+//!   baseline beside kvtier, across a restart (`kvtier trace replay`).
 //!
 //! Shared pieces: [`device_limit`] (the raw O_DIRECT limits), [`host`] and
 //! [`host_info`] (machine facts, page-cache drops), [`bench_dir`] (the
@@ -50,6 +52,7 @@ pub mod model_synth;
 pub mod overlap;
 pub mod plot;
 pub mod progress;
+pub mod replay;
 pub mod report;
 pub mod report_table;
 pub mod run_dirs;

@@ -128,6 +128,7 @@ mod tests {
         assert!(PromptBuilder::new(512, 0, DEFAULT_IDS).is_err());
         assert!(PromptBuilder::new(0, 32, DEFAULT_IDS).is_err());
         assert!(PromptBuilder::new(512, 32, 7..8).is_err());
-        assert!(PromptBuilder::new(512, 32, 9..2).is_err());
+        let (lo, hi) = (9, 2);
+        assert!(PromptBuilder::new(512, 32, lo..hi).is_err());
     }
 }

@@ -231,7 +231,7 @@ fn parse_labels(s: &str) -> Result<HashMap<String, String>, String> {
 
 /// Prompt tokens served from cache, by tier (the server's usage
 /// `kvtier.cached_tokens`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct TierHits {
     /// From G1 pages.
     pub g1: usize,

@@ -1,5 +1,6 @@
 //! `kvtier trace stats` and `kvtier trace sim`: public KV-cache traces
-//! through kvtier's own tier policies (`kvtier-trace`).
+//! through kvtier's own tier policies (`kvtier-trace`); `kvtier trace
+//! replay` is in [`crate::cmd_trace_replay`].
 
 use std::path::PathBuf;
 
@@ -27,6 +28,13 @@ pub enum TraceCommand {
     /// earlier block of its request hit; hit rates count the requests after
     /// the warm-up.
     Sim(SimArgs),
+    /// Replays a trace against live OpenAI-compatible servers (kvtier
+    /// serve, vLLM with kvtier's connector, any other) with prompts made
+    /// from its block ids: TTFT, throughput, hit rate over time across an
+    /// optional restart, the baseline server beside it, the product
+    /// brief's gates, and the simulator's predicted hit rate beside the
+    /// measured one.
+    Replay(crate::cmd_trace_replay::ReplayArgs),
 }
 
 /// Which trace, read how.
@@ -146,6 +154,7 @@ pub fn run(cmd: &TraceCommand) -> Result<()> {
             Ok(())
         }
         TraceCommand::Sim(a) => simulate(a),
+        TraceCommand::Replay(a) => crate::cmd_trace_replay::run(a),
     }
 }
 

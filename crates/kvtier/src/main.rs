@@ -30,6 +30,7 @@ mod cmd_prefill;
 mod cmd_serve;
 mod cmd_store;
 mod cmd_trace;
+mod cmd_trace_replay;
 mod print_report;
 mod remote_flags;
 mod serve_config;
