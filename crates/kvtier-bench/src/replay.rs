@@ -260,12 +260,16 @@ pub fn replay(
     let mut runs = Vec::new();
     let mut lines = Vec::new();
     for server in std::iter::once(kvtier).chain(baseline) {
-        let shape = (opts.predict && server.mode == Mode::Kvtier)
-            .then(|| server.endpoint.metrics_text())
-            .flatten()
-            .and_then(|text| ServerShape::from_metrics(&text).ok());
+        // Read before the run: the shape the server started with.
+        let shape = (opts.predict && server.mode == Mode::Kvtier).then(|| {
+            let text = server.endpoint.metrics_text().ok_or_else(|| {
+                "the server serves no /metrics to read its cache's shape from".to_string()
+            })?;
+            ServerShape::from_metrics(&text)
+        });
         let before = metrics::Hits::scrape(&server.endpoint);
         meter.start()?;
+        let mut joules = 0.0;
         let t0 = Instant::now();
         let mut sent = Vec::new();
         let mut pause = Duration::ZERO;
@@ -281,9 +285,12 @@ pub fn replay(
                 && let Some(r) = &opts.restart
             {
                 at_restart = metrics::Hits::scrape(&server.endpoint);
+                // The restart's time and energy are not the run's.
+                joules += meter.read()?.joules_total();
                 let t = Instant::now();
                 restart_note = restart(&server, r).err();
                 pause = t.elapsed();
+                meter.start()?;
                 after_restart_hits = metrics::Hits::scrape(&server.endpoint);
             }
             let label = format!("{} {}", server.mode.as_str(), server.endpoint.base_url());
@@ -304,10 +311,15 @@ pub fn replay(
             );
         }
         let wall = t0.elapsed().saturating_sub(pause).as_secs_f64();
-        let joules = meter.read()?.joules_total();
+        joules += meter.read()?.joules_total();
         let after = metrics::Hits::scrape(&server.endpoint);
         sent.sort_by_key(|s| s.index);
-        let predicted = shape.map(|shape| predict(shape, &requests, &sent, split));
+        let prediction = shape.map(|shape| predict(shape?, &requests, &sent, split));
+        let (predicted, prediction_note) = match prediction {
+            Some(Ok(p)) => (Some(p), None),
+            Some(Err(why)) => (None, Some(why)),
+            None => (None, None),
+        };
         let counters = metrics::Hits::run_delta(before, at_restart, after_restart_hits, after);
         let run = RunReport::build(
             &server,
@@ -320,6 +332,7 @@ pub fn replay(
             predicted.as_deref(),
             counters,
             restart_note,
+            prediction_note,
         );
         lines.extend(RequestLine::of_run(
             &run,
@@ -368,16 +381,15 @@ fn restart(server: &Server, r: &Restart) -> Result<(), String> {
 
 /// The simulator of the kvtier server's own tiers, fed the requests in the
 /// order they were sent and what the server generated for each: per
-/// request of the cut, the predicted hit tokens (exact at concurrency 1).
+/// request of the cut, the predicted hit tokens (exact at concurrency 1);
+/// why not, for a server the simulator cannot follow.
 fn predict(
     shape: ServerShape,
     requests: &[Prepared],
     sent: &[schedule::Sent],
     split: Option<usize>,
-) -> Vec<TierHits> {
-    let Ok(mut sim) = ServerSim::new(shape) else {
-        return Vec::new();
-    };
+) -> Result<Vec<TierHits>, String> {
+    let mut sim = ServerSim::new(shape)?;
     let mut order: Vec<&schedule::Sent> = sent.iter().collect();
     order.sort_by(|a, b| {
         a.sent_at_s
@@ -396,5 +408,5 @@ fn predict(
         }
         out[s.index] = sim.request(&requests[s.index].prompt, &s.completion.record.tokens);
     }
-    out
+    Ok(out)
 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 use kvtier_bench::TextReport;
 use kvtier_bench::endpoint::{Endpoint, EndpointOptions};
@@ -209,16 +209,11 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
         })
         .transpose()?;
     let restart = match (&a.restart_cmd, a.restart_at) {
-        (Some(command), Some(at)) => {
-            if !(at > 0.0 && at < 1.0) {
-                bail!("--restart-at {at}: a share of the requests between 0 and 1");
-            }
-            Some(Restart {
-                command: command.clone(),
-                at,
-                ready_timeout: a.restart_timeout,
-            })
-        }
+        (Some(command), Some(at)) => Some(Restart {
+            command: command.clone(),
+            at,
+            ready_timeout: a.restart_timeout,
+        }),
         _ => None,
     };
     let block_tokens = a

@@ -141,6 +141,8 @@ pub struct RunReport {
     /// The simulator's hit rate for the same requests and the server's
     /// capacities (kvtier serve only; exact at concurrency 1).
     pub predicted_hit_rate: Option<f64>,
+    /// Why there is no prediction for a server asked for one.
+    pub prediction_note: Option<String>,
     /// The last window before the restart.
     pub hit_rate_before_restart: Option<f64>,
     /// The first window after it.
@@ -235,6 +237,7 @@ impl RunReport {
         predicted: Option<&[TierHits]>,
         vllm_counters: Option<Hits>,
         restart_error: Option<String>,
+        prediction_note: Option<String>,
     ) -> Self {
         let ok: Vec<&Sent> = sent
             .iter()
@@ -288,6 +291,7 @@ impl RunReport {
             hit_tokens: hits,
             hit_rate: fraction(total(hits) as f64, prompt_tokens as f64),
             predicted_hit_rate,
+            prediction_note,
             hit_rate_before_restart: before,
             hit_rate_first_window_after_restart: after,
             joules_per_token: (output_tokens > 0 && joules > 0.0)
@@ -540,6 +544,9 @@ impl TextReport for ReplayReport {
                     "          vLLM counters: {} own prefix-cache hit tokens, {} external (connector)\n",
                     c.local_hit_tokens, c.external_hit_tokens
                 ));
+            }
+            if let Some(why) = &r.prediction_note {
+                out.push_str(&format!("          no prediction: {why}\n"));
             }
             if let Some(e) = &r.restart_error {
                 out.push_str(&format!("          restart: {e}\n"));
