@@ -221,10 +221,11 @@ def main() -> int:
     ap.add_argument("--sample", default="1/48", help="share of the trace's conversations replayed")
     ap.add_argument("--block-tokens", type=int, default=16,
                     help="tokens a trace block becomes (Mooncake's 512 x 1/32); also the servers' block size")
-    ap.add_argument("--time-scale", type=float, default=0.4, help="multiplies the trace's arrival gaps")
+    ap.add_argument("--time-scale", type=float, default=0.15,
+                    help="multiplies the trace's arrival gaps (0.15: more than the no-reuse server keeps up with)")
     ap.add_argument("--max-requests", type=int, default=100, help="at most this many requests (0: the whole sample)")
     ap.add_argument("--max-output-tokens", type=int, default=8)
-    ap.add_argument("--max-model-len", type=int, default=8192, help="vLLM's context length")
+    ap.add_argument("--max-model-len", type=int, default=4096, help="vLLM's context length (the 100 M model's)")
     ap.add_argument("--restart-at", type=float, default=0.5)
     ap.add_argument("--work-dir", type=Path, default=None, help="models, caches, logs, results (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print the reports as one JSON object on stdout")

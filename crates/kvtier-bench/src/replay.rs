@@ -39,6 +39,7 @@
 //! (never both at once: they would share the machine). Each run is timed and
 //! metered on its own.
 
+mod bound;
 mod metrics;
 mod plot;
 mod report;
@@ -84,7 +85,7 @@ pub struct ReplayOptions {
     pub start_at: StartAt,
     /// A restart in the middle.
     pub restart: Option<Restart>,
-    /// Requests per report window (0: a tenth of each side of the restart).
+    /// Requests per report window (0: a fifth of each side of the restart).
     pub window: usize,
     /// Predict the kvtier server's hits with the simulator of its own tiers
     /// when its `/metrics` describes them.
@@ -158,9 +159,9 @@ pub(crate) struct Prepared {
     pub max_tokens: usize,
 }
 
-/// The cut (`sample`, then `start_at` and `max_requests`) as a trace of
-/// its own, and its requests as prompts.
-fn cut(trace: &Trace, opts: &ReplayOptions) -> Result<(Trace, Vec<Prepared>), BenchError> {
+/// The requests of the cut (`sample`, then `start_at` and
+/// `max_requests`), as prompts.
+fn cut(trace: &Trace, opts: &ReplayOptions) -> Result<Vec<Prepared>, BenchError> {
     let builder = PromptBuilder::new(trace.block_size, opts.block_tokens, opts.token_ids.clone())
         .map_err(BenchError::Config)?;
     let sampled;
@@ -171,27 +172,20 @@ fn cut(trace: &Trace, opts: &ReplayOptions) -> Result<(Trace, Vec<Prepared>), Be
         trace
     };
     let first = first_request(source, opts.start_at);
-    let cut = Trace {
-        name: trace.name.clone(),
-        format: trace.format,
-        block_size: trace.block_size,
-        requests: source
-            .requests
-            .iter()
-            .skip(first)
-            .take(opts.max_requests.unwrap_or(usize::MAX))
-            .cloned()
-            .collect(),
-    };
-    let Some(t0) = cut.requests.first().map(|r| r.time_s) else {
+    let taken: Vec<&kvtier_trace::Request> = source
+        .requests
+        .iter()
+        .skip(first)
+        .take(opts.max_requests.unwrap_or(usize::MAX))
+        .collect();
+    let Some(t0) = taken.first().map(|r| r.time_s) else {
         return Err(BenchError::Config(format!(
             "the cut is empty: {} requests (after sampling) and the cut starts at request {first}",
             source.requests.len()
         )));
     };
-    let prepared = cut
-        .requests
-        .iter()
+    Ok(taken
+        .into_iter()
         .enumerate()
         .map(|(index, r)| Prepared {
             index,
@@ -200,8 +194,7 @@ fn cut(trace: &Trace, opts: &ReplayOptions) -> Result<(Trace, Vec<Prepared>), Be
             prompt: builder.prompt(r),
             max_tokens: output_tokens(r.output_tokens, opts),
         })
-        .collect();
-    Ok((cut, prepared))
+        .collect())
 }
 
 /// The index of the cut's first request.
@@ -245,14 +238,12 @@ pub fn replay(
             r.at
         )));
     }
-    let (cut, requests) = cut(trace, opts)?;
+    let requests = cut(trace, opts)?;
     let split = opts
         .restart
         .as_ref()
         .map(|r| ((requests.len() as f64 * r.at).round() as usize).clamp(1, requests.len()));
-    let bound = kvtier_trace::prefix::PrefixTree::new(&cut)
-        .infinite_hits(0)
-        .token_rate();
+    let bounds = bound::per_request(&requests);
     let started_at = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
     let choice = best_meter(&MeterOptions::default())?;
     let mut meter = choice.meter;
@@ -324,6 +315,7 @@ pub fn replay(
         let run = RunReport::build(
             &server,
             &requests,
+            &bounds,
             &sent,
             split,
             opts.window,
@@ -345,7 +337,7 @@ pub fn replay(
     Ok(ReplayReport::build(
         trace,
         ReplaySettings::of(opts, requests.len(), split),
-        bound,
+        report::fraction_of(&bounds, &requests),
         runs,
         lines,
         started_at,

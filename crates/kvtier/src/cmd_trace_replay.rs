@@ -104,7 +104,7 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = humantime::parse_duration)]
     restart_timeout: Duration,
 
-    /// Requests per report window [default: a tenth of each side of the
+    /// Requests per report window [default: a fifth of each side of the
     /// restart].
     #[arg(long, value_name = "N", default_value_t = 0)]
     window: usize,

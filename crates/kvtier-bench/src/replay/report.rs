@@ -27,8 +27,8 @@ const GATES: [(&str, f64); 2] = [
     ("throughput +29 % against the baseline", 0.29),
 ];
 
-/// Windows per side of the restart when none is given.
-const WINDOWS: usize = 10;
+/// Windows per side of the restart when no size is given.
+const WINDOWS: usize = 5;
 
 /// How the replay ran.
 #[derive(Debug, Clone, Serialize)]
@@ -99,6 +99,9 @@ pub struct Window {
     pub hit_tokens: TierTokens,
     /// TTFT p50 of its answered requests.
     pub ttft_p50_s: f64,
+    /// What any cache could have served of its answered requests' prompt
+    /// tokens (see `reuse_bound` of the report).
+    pub reuse_bound: f64,
 }
 
 /// One server's replay.
@@ -164,8 +167,23 @@ fn total(t: TierTokens) -> usize {
     t.g1 + t.g2 + t.g3 + t.g4
 }
 
-/// The windows of `sent` (in cut order) from `from`, `size` requests each.
-fn windows(sent: &[Sent], range: std::ops::Range<usize>, size: usize, after: bool) -> Vec<Window> {
+/// `bounds` summed over `requests`, over their prompt tokens.
+pub(super) fn fraction_of(bounds: &[usize], requests: &[Prepared]) -> f64 {
+    fraction(
+        bounds.iter().sum::<usize>() as f64,
+        requests.iter().map(|r| r.prompt.len()).sum::<usize>() as f64,
+    )
+}
+
+/// The windows of `sent` (in cut order) over `range`, `size` requests each
+/// (0: a [`WINDOWS`]th of the range).
+fn windows(
+    sent: &[Sent],
+    bounds: &[usize],
+    range: std::ops::Range<usize>,
+    size: usize,
+    after: bool,
+) -> Vec<Window> {
     let size = if size == 0 {
         range.len().div_ceil(WINDOWS).max(1)
     } else {
@@ -185,6 +203,7 @@ fn windows(sent: &[Sent], range: std::ops::Range<usize>, size: usize, after: boo
             hits.add(s.completion.record.hit_tokens);
         }
         let prompt: usize = ok.iter().map(|s| s.completion.record.prompt_tokens).sum();
+        let bound: usize = ok.iter().filter_map(|s| bounds.get(s.index)).sum();
         let ttft: Vec<f64> = ok.iter().map(|s| s.completion.record.ttft_s).collect();
         out.push(Window {
             first_request: start,
@@ -194,6 +213,7 @@ fn windows(sent: &[Sent], range: std::ops::Range<usize>, size: usize, after: boo
             hit_rate: fraction(total(hits) as f64, prompt as f64),
             hit_tokens: hits,
             ttft_p50_s: Percentiles::of(&ttft).p50,
+            reuse_bound: fraction(bound as f64, prompt as f64),
         });
         start = end;
     }
@@ -229,6 +249,7 @@ impl RunReport {
     pub(super) fn build(
         server: &Server,
         requests: &[Prepared],
+        bounds: &[usize],
         sent: &[Sent],
         split: Option<usize>,
         window: usize,
@@ -266,9 +287,9 @@ impl RunReport {
             fraction(hit as f64, prompt_tokens as f64)
         });
         let n = sent.len();
-        let mut wins = windows(sent, 0..split.unwrap_or(n), window, false);
+        let mut wins = windows(sent, bounds, 0..split.unwrap_or(n), window, false);
         let before = split.and_then(|_| wins.last().map(|w| w.hit_rate));
-        let after_wins = split.map(|k| windows(sent, k..n, window, true));
+        let after_wins = split.map(|k| windows(sent, bounds, k..n, window, true));
         let after = after_wins
             .as_ref()
             .and_then(|w| w.first().map(|w| w.hit_rate));
@@ -388,8 +409,9 @@ pub struct ReplayReport {
     pub started_at: String,
     /// How it ran.
     pub settings: ReplaySettings,
-    /// What any cache could save on this cut: the token hit rate of an
-    /// infinite prefix cache over it, in the trace's own tokens.
+    /// What any cache could save on this cut: per request the longest
+    /// prefix an earlier prompt of the cut began with, less its last token
+    /// (every server computes that one), over all prompt tokens.
     pub reuse_bound: f64,
     /// The kvtier server's run, then the baseline's.
     pub runs: Vec<RunReport>,
@@ -488,7 +510,7 @@ impl TextReport for ReplayReport {
         let s = &self.settings;
         let mut out = format!(
             "trace replay: {} ({} requests{}, {} loop, time scale {}, {} tokens per block{})\n\
-             reuse bound of the cut (infinite prefix cache): {:.1} % of prompt tokens\n\n",
+             reuse bound of the cut (an infinite prefix cache): {:.1} % of prompt tokens\n\n",
             self.trace,
             s.requests,
             if s.sample < 1.0 {
@@ -544,6 +566,19 @@ impl TextReport for ReplayReport {
                     "          vLLM counters: {} own prefix-cache hit tokens, {} external (connector)\n",
                     c.local_hit_tokens, c.external_hit_tokens
                 ));
+            }
+            if let Some(k) = self.settings.restart_after_requests {
+                let last = r.windows.iter().rfind(|w| w.first_request < k);
+                let next = r.windows.iter().find(|w| w.first_request >= k);
+                if let (Some(a), Some(b)) = (last, next) {
+                    out.push_str(&format!(
+                        "          around the restart: {:.1} % hit of {:.1} % possible in the last window before, {:.1} % of {:.1} % in the first after\n",
+                        a.hit_rate * 100.0,
+                        a.reuse_bound * 100.0,
+                        b.hit_rate * 100.0,
+                        b.reuse_bound * 100.0
+                    ));
+                }
             }
             if let Some(why) = &r.prediction_note {
                 out.push_str(&format!("          no prediction: {why}\n"));
@@ -655,15 +690,17 @@ mod tests {
         let s: Vec<Sent> = (0..5)
             .map(|i| sent(i, i as f64, 1.0, 10, i, i == 3))
             .collect();
-        let w = windows(&s, 0..5, 2, true);
+        let bounds = [0, 5, 5, 10, 10];
+        let w = windows(&s, &bounds, 0..5, 2, true);
         assert_eq!(w.len(), 3);
         assert_eq!((w[0].requests, w[0].failed), (2, 0));
         assert!((w[0].hit_rate - 1.0 / 20.0).abs() < 1e-9);
         // Request 3 failed: only request 2's tokens count.
         assert_eq!((w[1].requests, w[1].failed), (2, 1));
         assert!((w[1].hit_rate - 0.2).abs() < 1e-9);
+        assert!((w[1].reuse_bound - 0.5).abs() < 1e-9);
         assert!(w.iter().all(|w| w.after_restart));
-        // 0: a tenth of the range per window.
-        assert_eq!(windows(&s, 0..5, 0, false).len(), 5);
+        // 0: a fifth of the range per window.
+        assert_eq!(windows(&s, &bounds, 0..5, 0, false).len(), 5);
     }
 }
