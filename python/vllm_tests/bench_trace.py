@@ -105,10 +105,17 @@ def supervise(state: Path, argv: list[str], env: dict[str, str], log: Path) -> N
     start(state)
 
 
-def wait_ready(url: str, timeout: float = 600) -> None:
-    """Until ``url``/v1/models answers."""
+def wait_ready(state: Path, timeout: float = 600) -> None:
+    """Until the server of ``state`` answers ``/v1/models``; an error if it
+    exits first."""
+    url = (state / "url").read_text()
+    pid = int((state / "pid").read_text())
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if not _group_alive(pid):
+            log = Path(json.loads((state / "cmd.json").read_text())["log"])
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeError(f"the server of {state.name} exited while starting:\n{tail}")
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
                 if r.status == 200:
@@ -152,7 +159,7 @@ def pair(work: Path, name: str, servers: dict[str, tuple[list[str], dict[str, st
         supervise(state, argv, env, work / "logs" / f"{name}-{mode}.log")
         (state / "url").write_text(f"http://127.0.0.1:{port}")
     for mode in servers:
-        wait_ready((work / name / mode / "url").read_text())
+        wait_ready(work / name / mode)
 
 
 def stop_pair(work: Path, name: str) -> None:
@@ -195,7 +202,9 @@ def vllm_part(kvtier: str, trace: str, work: Path, a: argparse.Namespace, block_
     if not (model / "config.json").exists():
         make(model, "100m", seed=0)
     p1, p2 = free_port(), free_port()
-    common = ["--enable-prompt-tokens-details", "--block-size", str(block_tokens)]
+    # vLLM's CPU attention takes blocks of a multiple of 32 tokens.
+    vllm_block = -(-block_tokens // 32) * 32
+    common = ["--enable-prompt-tokens-details", "--block-size", str(vllm_block)]
     connector = kvtier_transfer_config({"cache_dir": str(work / "vllm-kvtier-cache"), "g3_bytes": 16 << 30})
     # A clean stop waits for the last request's save (vLLM kills its
     # worker at once on SIGTERM without a shutdown timeout).
