@@ -194,16 +194,9 @@ impl Endpoint {
         let unreachable = |why: String| {
             BenchError::Target(format!("endpoint {} is not reachable: {why}", self.base))
         };
-        let resp = self
-            .agent
-            .get(&url)
-            .config()
-            .timeout_global(Some(self.options.probe_timeout))
-            .build()
-            .call()
+        let (status, body) = self
+            .probe(&url, MODELS_BODY_LIMIT)
             .map_err(|e| unreachable(format!("GET {url}: {e}")))?;
-        let status = resp.status().as_u16();
-        let body = read_body(resp.into_body(), MODELS_BODY_LIMIT);
         if !(200..300).contains(&status) {
             return Err(unreachable(format!(
                 "GET {url}: HTTP {status}: {}",
@@ -316,19 +309,24 @@ impl Endpoint {
     /// The server's Prometheus text (`GET /metrics`), or `None` when it
     /// serves none.
     pub fn metrics_text(&self) -> Option<String> {
-        let url = format!("{}/metrics", self.base);
+        let (status, body) = self
+            .probe(&format!("{}/metrics", self.base), METRICS_BODY_LIMIT)
+            .ok()?;
+        (200..300).contains(&status).then_some(body)
+    }
+
+    /// A GET within the probe timeout: the status and at most `limit`
+    /// bytes of the body.
+    fn probe(&self, url: &str, limit: u64) -> Result<(u16, String), ureq::Error> {
         let resp = self
             .agent
-            .get(&url)
+            .get(url)
             .config()
             .timeout_global(Some(self.options.probe_timeout))
             .build()
-            .call()
-            .ok()?;
-        if !resp.status().is_success() {
-            return None;
-        }
-        Some(read_body(resp.into_body(), METRICS_BODY_LIMIT))
+            .call()?;
+        let status = resp.status().as_u16();
+        Ok((status, read_body(resp.into_body(), limit)))
     }
 
     /// POSTs `body` to `/v1/completions` and reads its event stream;

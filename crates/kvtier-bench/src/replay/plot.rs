@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use super::report::ReplayReport;
@@ -14,6 +15,24 @@ pub(super) fn write_all(report: &ReplayReport, dir: &Path) -> Result<Vec<PathBuf
     let cdf = dir.join("ttft_cdf.svg");
     ttft_cdf(report, &cdf)?;
     Ok(vec![over, cdf])
+}
+
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// Run `i`'s line, in its colour, with its legend entry.
+fn run_line(
+    chart: &mut Chart<'_, '_>,
+    points: Vec<(f64, f64)>,
+    i: usize,
+    name: String,
+) -> Result<(), String> {
+    let color = Palette99::pick(i).to_rgba();
+    chart
+        .draw_series(LineSeries::new(points, color.stroke_width(2)))
+        .map_err(|x| x.to_string())?
+        .label(name)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+    Ok(())
 }
 
 fn label(report: &ReplayReport, i: usize) -> String {
@@ -59,7 +78,6 @@ fn over_time(report: &ReplayReport, path: &Path) -> Result<(), String> {
             .map_err(|x| e(&x))?;
         let hit = title.starts_with("hit");
         for (i, r) in report.runs.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
             let points: Vec<(f64, f64)> = r
                 .windows
                 .iter()
@@ -75,13 +93,7 @@ fn over_time(report: &ReplayReport, path: &Path) -> Result<(), String> {
                     )
                 })
                 .collect();
-            chart
-                .draw_series(LineSeries::new(points, color.stroke_width(2)))
-                .map_err(|x| e(&x))?
-                .label(label(report, i))
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-                });
+            run_line(&mut chart, points, i, label(report, i)).map_err(|x| e(&x))?;
         }
         if let Some(k) = restart {
             chart
@@ -138,14 +150,7 @@ fn ttft_cdf(report: &ReplayReport, path: &Path) -> Result<(), String> {
             .enumerate()
             .map(|(k, &t)| (t, (k + 1) as f64 / len))
             .collect();
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(points, color.stroke_width(2)))
-            .map_err(|x| e(&x))?
-            .label(label(report, i))
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-            });
+        run_line(&mut chart, points, i, label(report, i)).map_err(|x| e(&x))?;
     }
     chart
         .configure_series_labels()
