@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Makes a small Llama whose next-token choices are confident and come from
 attention over its context: the model to read a KV codec's greedy
-agreement on, where random-weight models (whose top-1/top-2 gaps are
-hundredths of a nat) cannot say anything (docs/benchmarks.md, "KV codecs").
+agreement on, where random-weight models (whose top-1/top-2 gaps
+are tiny) cannot say anything (docs/results.md, "KV codecs").
 
 It starts as `python/testing/make_model.py`'s `tiny` Llama (4 layers,
 hidden 256, 2 KV heads of 64, its byte-level BPE tokenizer, 2,048 ids) and

@@ -386,7 +386,7 @@ def speed_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Nam
             pre.kvtier.append(r["usage"]["prompt_tokens"] / r["kvtier"]["ttft_seconds"])
             pre.llamacpp.append(lc.bench(threads, a.prefill_tokens, 0))
             # Decode samples are short (about a second) and the VM's memory
-            # bandwidth drifts by +-8 % between them: three per repeat.
+            # bandwidth drifts between them: three per repeat.
             for _ in range(DECODE_SAMPLES_PER_REPEAT):
                 dec.kvtier.append(kv.decode_tok_s(port, short_ids, a.decode_tokens))
                 dec.llamacpp.append(lc.bench(threads, 0, a.decode_tokens))

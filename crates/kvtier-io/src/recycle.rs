@@ -1,9 +1,10 @@
 //! A [`HostAllocator`] that keeps freed buffers and hands them out again.
 //!
 //! The store reads, encodes and evicts thousands of equal-size blocks.
-//! Fresh memory must be faulted in by the kernel, which on some VMs runs at
-//! 0.4 GB/s (the host reclaims freed RAM within seconds), so allocating every
-//! block anew makes restores wait on page faults, not the disk. Recycling
+//! Fresh memory must be faulted in by the kernel, which on some VMs runs
+//! slower than the disk (the host reclaims freed RAM within seconds), so
+//! allocating every block anew makes restores wait on page faults, not the
+//! disk. Recycling
 //! buffers of the same layout costs one `memset` per reuse instead, and
 //! nothing for a buffer asked for with
 //! [`AlignedBuf::for_overwrite_in`](crate::AlignedBuf::for_overwrite_in)

@@ -160,11 +160,9 @@ enum Order {
     /// a read costs CPU (the kernel pins its buffer's pages), and the op
     /// that ended the first wave, the one a layer-wise restore's first
     /// layer waits on, would otherwise wait for a whole window of reads to
-    /// be submitted: about 250 us of an int8 restore's 1 ms to its first
-    /// layer on the reference VM. There a restored request's TTFT over
-    /// its hot twin's came to a median of 1.62 ms against 2.26 ms with
-    /// the whole window first (12 runs each; docs/benchmarks.md, "A
-    /// wave's worth of reads before each hand-over").
+    /// be submitted, a sizeable share of the time to a restore's first
+    /// layer. A restored request's TTFT came closer to its hot twin's
+    /// this way than with the whole window first (docs/decisions.md).
     SubmitFirst { first: usize },
 }
 

@@ -190,10 +190,10 @@ async fn chat_completions(
 }
 
 /// Runs a request's checks, its chat template and its tokenizing on a
-/// blocking thread: a long prompt must not hold an async worker (16 prompts
-/// of 3.9 MB at once stalled `/health` to 1.55 s when they ran on them).
+/// blocking thread: a long prompt must not hold an async worker (a burst
+/// of prompts of megabytes stalled `/health` when they ran on them).
 /// At most one per core at a time ([`AppState::checks`]): tokenizing takes
-/// about 160 bytes of memory per prompt byte, so the peak stays bounded
+/// many times a prompt's bytes in memory, so the peak stays bounded
 /// however many long prompts arrive together.
 async fn off_workers<T: Send + 'static>(
     state: &AppState,

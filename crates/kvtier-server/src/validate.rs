@@ -216,8 +216,8 @@ pub enum Encoding {
 /// Tokenizes `text`, first refusing one too long to fit without tokenizing
 /// it: `n` bytes are at least `n / longest_token_bytes` tokens, so past
 /// `max_prompt_tokens x longest_token_bytes` bytes the prompt is over the
-/// limit whatever it says (a 4 MB prompt used to take 1.4 s and 620 MB to
-/// tokenize before its 400). Decision: a tokenizer whose normalizer deletes
+/// limit whatever it says (a prompt of megabytes used to take long and
+/// much memory to tokenize before its 400). Decision: a tokenizer whose normalizer deletes
 /// text could have fitted such a prompt; it is refused all the same. Call
 /// it off the async workers ([`crate::routes`] does).
 pub fn encode(

@@ -154,10 +154,9 @@ fn round_even(x: f32) -> f32 {
 /// The OCP E4M3 byte nearest `x` (finite, |x| <= 448), ties to even.
 ///
 /// Hand-written: float8's `F8E4M3::from_f32` (which the tests hold this to,
-/// value by value) goes through f64 and a general converter, 0.37 GB/s of
-/// f32 on this machine's core (`examples/codec_speed.rs`), 17 ms per 6 MiB
-/// block on the engine's offload path; this is the same rounding in
-/// integer steps the compiler vectorizes.
+/// value by value) goes through f64 and a general converter, too slow for
+/// the engine's offload path (`examples/codec_speed.rs` times both); this
+/// is the same rounding in integer steps the compiler vectorizes.
 #[inline]
 fn fp8_bits(x: f32) -> u8 {
     let bits = x.to_bits();

@@ -3,17 +3,14 @@
 //! Hand-written because a restore decodes into G1 pages that no cache
 //! holds: plain stores first read every destination line in (twice the
 //! memory traffic), and the baseline x86-64 build converts four values at
-//! a time. Streaming stores write the lines without reading them. On the
-//! reference VM this cut the hand-over of one layer of an int8 block of
-//! the `small` preset (512 KiB of f32) from a median 72 us to 38 us, timed
-//! on the store's thread during `kvtier bench`. A layer-wise restore
-//! shares its CPU with the forward pass, so every part of that is TTFT
-//! (docs/benchmarks.md, "Layer-wise restore").
+//! a time. Streaming stores write the lines without reading them, which
+//! shortens the hand-over of each restored layer. A layer-wise restore
+//! shares its CPU with the forward pass, so every part of that hand-over
+//! is TTFT (docs/decisions.md).
 //!
 //! fp8 went through the portable loops at first (they convert four values
-//! at a time); its concurrency-1 TTFT stayed 1.24-1.31x of the decode
-//! step while int8's came to 1.14-1.17x (docs/benchmarks.md, "The same
-//! after the concurrency-1 restore path was reworked"), so it streams too.
+//! at a time); its concurrency-1 TTFT stayed behind int8's, which streamed,
+//! so it streams too.
 //!
 //! The values are bit for bit those of the portable loops in `codec.rs`
 //! (the same conversions and one f32 multiply each): tests hold them to

@@ -4,9 +4,10 @@
 //! Taking every k-th request, or the first minutes, of a conversation
 //! trace cuts conversations apart: the turns that would have reused an
 //! earlier turn's KV fall outside the cut, and its reuse drops far below
-//! the trace's (the Mooncake conversation trace's first 300 requests reuse
-//! 8 % of their tokens, the whole trace 38 %). Keeping whole conversations
-//! lowers the load and keeps the reuse.
+//! the trace's (the Mooncake conversation trace's first few hundred
+//! requests reuse a fraction of what the whole trace does;
+//! `kvtier trace stats` shows it). Keeping whole conversations lowers the
+//! load and keeps the reuse.
 //!
 //! A conversation is the requests of one session where the trace names
 //! sessions; where it does not (Mooncake), the requests whose first block

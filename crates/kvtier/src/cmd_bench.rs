@@ -70,8 +70,7 @@ pub struct BenchCmdArgs {
     pub keep_g2: bool,
     /// Send each restored twin of the concurrency-1 pairs (the `overlap`
     /// figure) right after G1 and G2 are dropped, without dropping the
-    /// page cache first as the default does (docs/benchmarks.md, "What
-    /// the page-cache drop does to the pairs").
+    /// page cache first as the default does (docs/decisions.md).
     #[arg(long)]
     pub no_pair_cache_drop: bool,
     /// Tokens per KV block.
@@ -94,9 +93,8 @@ pub struct BenchCmdArgs {
     /// after each piece of the prefix it copies into G1, the restoring
     /// thread sleeps K times as long as the piece took (0: never yields).
     /// Higher keeps the others' inter-token latency steadier and makes the
-    /// restoring request's first token later (docs/benchmarks.md, "Decode
-    /// beside a restore"). A restore into an otherwise idle engine never
-    /// yields.
+    /// restoring request's first token later (docs/decisions.md). A
+    /// restore into an otherwise idle engine never yields.
     #[arg(long, value_name = "K", default_value_t = kvtier_engine::DEFAULT_RESTORE_YIELD, value_parser = crate::cli::restore_yield_arg)]
     pub restore_yield: f64,
     /// Where the in-process engine runs: `cpu`, or `cuda` / `cuda:N` in a

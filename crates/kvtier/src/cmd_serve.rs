@@ -126,9 +126,8 @@ pub struct ServeArgs {
     /// after each piece of the prefix it copies into G1, the restoring
     /// thread sleeps K times as long as the piece took (0: never yields).
     /// Higher keeps the others' inter-token latency steadier and makes the
-    /// restoring request's first token later (docs/benchmarks.md, "Decode
-    /// beside a restore"). A restore into an otherwise idle engine never
-    /// yields.
+    /// restoring request's first token later (docs/decisions.md). A
+    /// restore into an otherwise idle engine never yields.
     #[arg(long, value_name = "K", default_value_t = kvtier_engine::DEFAULT_RESTORE_YIELD, value_parser = crate::cli::restore_yield_arg)]
     pub restore_yield: f64,
 

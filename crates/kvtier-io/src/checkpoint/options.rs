@@ -68,10 +68,9 @@ pub struct SaveOptions {
     pub direct: bool,
     /// Reserve each file's space with `fallocate` before writing (default
     /// true): a full disk fails fast and extents are allocated once. On
-    /// ext4 this costs a few percent of bandwidth (the reserved extents are
-    /// "unwritten" and each write converts them; measured 0.90-0.93 vs
-    /// 0.95-0.98 of the write limit), a price kept for failing before any
-    /// byte is written rather than mid-save.
+    /// ext4 this costs some bandwidth (the reserved extents are
+    /// "unwritten" and each write converts them), a price kept for failing
+    /// before any byte is written rather than mid-save (docs/decisions.md).
     pub preallocate: bool,
     /// String metadata stored in the manifest and every shard's
     /// `__metadata__`.
@@ -144,10 +143,10 @@ const DEFAULT_IN_FLIGHT: usize = 32;
 /// chunk buffers of a default save (`in_flight + threads` of 8 MiB, about
 /// 256 MiB) for the next save instead of handing them back to the system.
 ///
-/// Why: fresh RAM faults in slowly on VMs whose host reclaims freed memory
-/// (0.38 GB/s on the reference VM). A save that faulted in its write
-/// buffers every time measured 0.79 of the device write limit there, and
-/// 1.0 with the buffers kept (docs/benchmarks.md). Trainers save
+/// Why: fresh RAM faults in slowly on VMs whose host reclaims freed memory,
+/// so a save that faulted in its write buffers every time fell short of
+/// the device write limit where one with the buffers kept reached it
+/// (docs/decisions.md). Trainers save
 /// periodically, so from the second save on no new memory is needed; the
 /// price is that memory staying with the process between saves.
 pub fn default_write_allocator() -> Arc<dyn HostAllocator> {

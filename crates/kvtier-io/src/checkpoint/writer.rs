@@ -385,13 +385,12 @@ type WriteFailure = (usize, io::Error);
 /// memory once; a borrowed one while its write is in flight) and the bytes
 /// written from the caller's memory.
 ///
-/// Why this shape (measured on the reference VM, docs/benchmarks.md):
-/// gathering a group of chunks and then waiting for the whole group let the
-/// device queue drain between groups, and gathering on the submitting
-/// thread alone made the copy the limit (0.72-0.84 of the device write
-/// limit, against 1.0 with the copy left out). Even spread over filler
-/// threads, the copy kept a save CPU-bound whenever the VM's CPUs were
-/// slow (0.59-0.94 of the limit from run to run); writing aligned tensors
+/// Why this shape (docs/decisions.md): gathering a group of chunks and
+/// then waiting for the whole group let the device queue drain between
+/// groups, and gathering on the submitting thread alone made the copy the
+/// limit, below the device write limit that the same save reached with the
+/// copy left out. Even spread over filler threads, the copy kept a save
+/// CPU-bound whenever the VM's CPUs were slow; writing aligned tensors
 /// without the copy removes it.
 fn write_gathered<'a>(
     files: &'a [File],

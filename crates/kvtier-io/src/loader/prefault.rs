@@ -5,7 +5,7 @@
 //! in any that are missing on the submitting thread: faulting and reading
 //! then take turns instead of overlapping. Here [`THREADS`] helper threads
 //! fault the destination in ahead of the reads, while they run
-//! (docs/benchmarks.md, "Model load" and "Several prefault threads").
+//! (docs/decisions.md).
 //!
 //! `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) faults pages in as a write
 //! would, without writing: it never changes bytes, so it is safe while
@@ -21,11 +21,10 @@ const STEP: usize = 4 << 20;
 
 /// Helper threads per load. Each fault in fresh memory can wait on the
 /// hypervisor for a page (the reference VM's balloon takes freed RAM back),
-/// so several faults in flight get pages faster even on 2 vCPUs: a fresh
-/// 4 GiB mapping populated after 20 s idle ran at about 1.0 GB/s with one
-/// thread and 3.4 with four (`examples/first_touch.rs`; docs/benchmarks.md,
-/// "Several prefault threads"). The threads mostly wait, so more of them
-/// than cores is fine.
+/// so several faults in flight get pages faster even on 2 vCPUs: four
+/// threads populated a fresh mapping several times faster than one
+/// (`examples/first_touch.rs` measures it; docs/decisions.md). The threads
+/// mostly wait, so more of them than cores is fine.
 pub(crate) const THREADS: usize = 4;
 
 /// A memory range to fault in: start address and length.

@@ -36,10 +36,9 @@ const READ_WINDOW_BYTES: usize = 4 << 20;
 /// parts are issued layer-major, so a window makes them land
 /// layer by layer. With every part of a large prefix in flight the device
 /// shared its bandwidth among them all, and layer 1 landed with the last
-/// layer, long after the forward pass wanted it: an uncoded 3-block prefix
-/// of the `small` preset (21 parts of 512 KiB after the first wave) came
-/// to concurrency-1 TTFT 1.5 ms sooner on the reference VM with the window
-/// (docs/benchmarks.md); int8's 136 KiB parts all fit in it, as before.
+/// layer, long after the forward pass wanted it. With the window an
+/// uncoded prefix of the `small` preset reaches its first token sooner
+/// (docs/decisions.md); int8's smaller parts all fit in it, as before.
 fn in_flight_after_the_first_wave(configured: usize, largest: usize, n: usize) -> usize {
     let window = (READ_WINDOW_BYTES / largest.max(1)).max(n);
     configured.min(window).max(1)
@@ -235,8 +234,8 @@ impl DiskTier {
             landed(i, from..to, bytes);
             // Summed after the hand-over, so the forward pass waits for no
             // checksum and the bytes are summed while the hand-over left
-            // them in cache: for an uncoded prefix, concurrency-1 TTFT
-            // about 2 ms sooner on the reference VM (docs/benchmarks.md).
+            // them in cache, which brings an uncoded prefix's
+            // concurrency-1 TTFT forward (docs/decisions.md).
             let payload = payload(j);
             state.lock().sum_to(run, |p| {
                 let range = bounds[p].max(payload.start)..bounds[p + 1].min(payload.end);
@@ -256,9 +255,8 @@ impl DiskTier {
         // window at a time (`in_flight_after_the_first_wave`). With all of
         // them in flight at once the device shares its bandwidth among
         // them, and the first parts, the ones a layer-wise restore waits on
-        // before it can compute anything, landed with the last (1.3-1.6 ms
-        // for a 3-block prefix of the `small` preset on the reference VM,
-        // against 0.3 ms alone). Each first part is handed over after at
+        // before it can compute anything, landed with the last, several
+        // times later than alone. Each first part is handed over after at
         // most a wave's worth of the rest (the next layer's parts) went
         // into the kernel, and the window's other reads follow: the
         // hand-over wakes the forward pass, which may take this thread's

@@ -10,8 +10,8 @@
 //!
 //! * **A block is useless without its parents.** Evicting a head block
 //!   strands the chain behind it, so only leaves are evicted
-//!   ([`LeafQueue`]). Flat policies (FIFO, S3-FIFO) lose up to a third of
-//!   LRU's hits at mid capacities for this alone.
+//!   ([`LeafQueue`]). Flat policies (FIFO, S3-FIFO) lose a large share of
+//!   LRU's hits at mid capacities for this alone (docs/results.md).
 //! * **Most new blocks are never read again** (a prompt's unique tail, a
 //!   one-off request): they must not push out reused ones. New blocks
 //!   enter on probation; a hit promotes them to main. This is what S3-FIFO
@@ -54,8 +54,9 @@ const FIRST_TARGET_PERCENT: u64 = 50;
 
 /// How many blocks' weight one ghost hit moves the target (times ARC's
 /// ratio of the ghost sizes). ARC moves it by one; over hundreds of
-/// thousands of blocks that adapts slower than traffic changes, and 2-8
-/// all gave the same curves within 0.2 points.
+/// thousands of blocks that adapts slower than traffic changes. The
+/// simulator's curves on the public traces hardly move for small steps
+/// around this one (docs/decisions.md).
 const STEP_BLOCKS: u64 = 4;
 
 /// Each ghost remembers this many times the resident key count.

@@ -1,9 +1,9 @@
 //! The G4 read hot path for one plain-TCP Redis/Valkey node: `GET`s on
 //! many connections whose values are read straight into block buffers.
 //!
-//! Why hand-written: a profile of `kvtier store bench --tier g4` (2 MiB
-//! blocks, through the `redis` crate) spent 36 % of its CPU in `memmove` and
-//! 10 % in page faults: each reply was parsed into a growing read buffer,
+//! Why hand-written: a profile of `kvtier store bench --tier g4` (through
+//! the `redis` crate) spent much of its CPU in `memmove` and in page
+//! faults (docs/decisions.md): each reply was parsed into a growing read buffer,
 //! copied into a freshly allocated `Vec` (fresh pages fault in slowly) and
 //! copied again into the store's block buffer, while `redis-benchmark` reads
 //! and discards. Here a reply's `$<len>\r\n` header is parsed from a small
@@ -282,11 +282,10 @@ impl FastGet {
     /// `redis-benchmark -c <in_flight> -P 1` does), taking the next name as
     /// soon as a reply is in; they run as separate tasks, so reading and
     /// checking spread over the runtime's threads. Why not deep pipelines
-    /// on a few connections: measured with 256 KiB values on the reference
-    /// VM, 32 connections with one `GET` each restored at 0.97 of
-    /// redis-benchmark's rate, the same 32 connections with four pipelined
-    /// `GET`s each at 0.44 (the server buffers every pipelined reply of a
-    /// connection before the socket drains; docs/benchmarks.md).
+    /// on a few connections: with large values the server buffers every
+    /// pipelined reply of a connection before the socket drains, so
+    /// pipelined `GET`s restored far below redis-benchmark's rate where one
+    /// `GET` per connection kept up with it (docs/decisions.md).
     pub async fn get(
         self: Arc<Self>,
         names: &[String],

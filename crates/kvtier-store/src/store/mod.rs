@@ -299,8 +299,8 @@ impl TieredStore {
     /// so reads from G3 land in memory that is already faulted in: freed
     /// block buffers are kept for reuse up to the G2 budget (at least 256
     /// MiB) plus the reads the reader threads have in flight, at most 4,096
-    /// buffers. Fresh memory faults in at 0.4-1 GB/s on the VMs measured,
-    /// slower than the disk, and a G2 that was emptied and refills (a
+    /// buffers. Fresh memory faults in slower than the disk reads on some
+    /// VMs (docs/decisions.md), and a G2 that was emptied and refills (a
     /// restart, `evict_memory`) would otherwise fault in every block that
     /// G2 is short of; the G2 budget is memory the store may use anyway.
     pub fn open(config: StoreConfig) -> Result<Self, StoreError> {

@@ -209,10 +209,9 @@ impl TieredStore {
         // after the reads, when there were none): it wakes the engine's
         // forward pass, which would otherwise start (and wake its pool's
         // threads) while this thread still holds a core to issue them.
-        // Measured on a 2-vCPU VM: the concurrency-1 TTFT of restored twins
-        // against their hot twins 1.186 (median of 6 runs) against 1.208
-        // telling it first, lower in all 6 pairs; with kvtier's own decode
-        // pool, lower again in all 4 pairs (docs/benchmarks.md).
+        // Telling it after the reads are issued gave a lower concurrency-1
+        // TTFT of restored requests than telling it first, on a machine
+        // with few cores (docs/decisions.md).
         let ask_g4 = remote.is_some() && !g4_keys.is_empty();
         let mut tell_plan = sink.filter(|_| !ask_g4).map(|sink| {
             let planned = &planned;
