@@ -1,4 +1,4 @@
-"""The connector's flusher (kvtier.vllm._Flusher) on a real store, without
+"""The connector's flusher (kvtier.vllm.flusher.Flusher) on a real store, without
 a vLLM process: a save stays in G2 until something writes it on to G3; the
 flusher does so once the save's copy is done, with nobody calling flush,
 and its stop writes every save queued before it."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from kvtier import Layout, Store
-from kvtier.vllm import _Flusher
+from kvtier.vllm.flusher import Flusher
 
 LAYOUT = Layout.vllm_cpu(4, 2, 64)
 
@@ -37,7 +37,7 @@ def test_saves_reach_g3_once_copied_and_a_stop_writes_the_rest(tmp_path: Path) -
 
     # Handed to the flusher, it reaches G3 with nobody calling flush (one
     # flush takes every block in G2, the earlier save's too).
-    flusher = _Flusher(ns)
+    flusher = Flusher(ns)
     flusher.add(ns.save_pages(keys[2:4], layers, [2, 3]))
     deadline = time.monotonic() + 60
     while ns.stats()["g3_blocks"] < 4 and time.monotonic() < deadline:

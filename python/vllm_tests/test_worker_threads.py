@@ -1,4 +1,4 @@
-"""Where the connector's threads may run (kvtier.vllm._all_cpus), on a real
+"""Where the connector's threads may run (kvtier.vllm.threads.all_cpus), on a real
 store without a vLLM process: a thread inherits its creator's CPU affinity,
 and vLLM's CPU worker pins its thread to its compute cores."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import Layout, Store
-from kvtier.vllm import _all_cpus
+from kvtier.vllm.threads import all_cpus
 from vllm_server import thread_cpus
 
 LAYOUT = Layout.vllm_cpu(2, 2, 64)
@@ -23,7 +23,7 @@ LAYOUT = Layout.vllm_cpu(2, 2, 64)
 
 def _open_pinned(root: Path, unpinned: bool) -> dict[str, Any]:
     """On a thread pinned to one CPU (as vLLM's worker thread), opens a
-    store and a namespace, with or without ``_all_cpus``; returns the new
+    store and a namespace, with or without ``all_cpus``; returns the new
     kvtier threads' CPUs and the opener's CPUs afterwards."""
     every = os.sched_getaffinity(0)
     out: dict[str, Any] = {}
@@ -31,7 +31,7 @@ def _open_pinned(root: Path, unpinned: bool) -> dict[str, Any]:
     def opener() -> None:
         os.sched_setaffinity(0, {min(every)})
         before = set(thread_cpus([os.getpid()], "kvtier-"))
-        with _all_cpus() if unpinned else contextlib.nullcontext():
+        with all_cpus() if unpinned else contextlib.nullcontext():
             store = Store(str(root), g2_bytes=16 << 20, g3_bytes=16 << 20)
             out["ns"] = store.namespace(LAYOUT, fingerprint="threads")
         out["opener"] = os.sched_getaffinity(0)
@@ -59,7 +59,7 @@ def test_store_threads_started_under_all_cpus_may_run_on_every_cpu(tmp_path: Pat
     assert pinned["threads"], "the store started no kvtier threads"
     assert all(cpus == one for cpus in pinned["threads"].values()), pinned["threads"]
 
-    # Under _all_cpus they may run anywhere, and the opener is pinned back.
+    # Under all_cpus they may run anywhere, and the opener is pinned back.
     free = _open_pinned(tmp_path / "free", unpinned=True)
     assert free["threads"], "the store started no kvtier threads"
     assert all(cpus == every for cpus in free["threads"].values()), free["threads"]
