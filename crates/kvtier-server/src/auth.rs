@@ -8,7 +8,8 @@
 //! `cache_salt` field (as vLLM's), so no tenant finds another's prefixes,
 //! in G1 or in any store tier ([`request_salt`]). Without keys the server
 //! is open and every request is the one default tenant (as before); see
-//! docs/security.md for the model and the timing side channel left.
+//! docs/guides/serve.md for the model and docs/guides/operations.md for the
+//! timing side channel left.
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -55,7 +55,7 @@ pub enum Format {
     Tester,
     /// RAGPulse: `0_trace.jsonl` beside its chunk-length files.
     Ragpulse,
-    /// kvtier's generic JSONL (docs/traces.md).
+    /// kvtier's generic JSONL (docs/guides/traces.md).
     Generic,
 }
 

@@ -42,7 +42,7 @@ pub enum TraceCommand {
 pub struct TraceInput {
     /// The trace: a Mooncake JSONL file, a kv-cache-tester session file or
     /// folder, a RAGPulse folder (or its 0_trace.jsonl), or a generic JSONL
-    /// file (docs/traces.md).
+    /// file (docs/guides/traces.md).
     #[arg(value_name = "TRACE")]
     pub trace: PathBuf,
 

@@ -110,7 +110,7 @@ pub struct ReplayArgs {
     window: usize,
 
     /// Prompt token ids are drawn from LO..HI (kept clear of special
-    /// tokens; see docs/traces.md).
+    /// tokens; see docs/guides/traces.md).
     #[arg(long, value_name = "LO..HI", default_value = "3..256", value_parser = ids_arg)]
     token_ids: std::ops::Range<u32>,
 

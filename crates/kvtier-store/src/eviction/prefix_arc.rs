@@ -5,7 +5,7 @@
 //!
 //! Measured on public traces (Mooncake's Kimi conversations and its
 //! synthetic multi-turn trace, RAGPulse, Claude Code sessions; figures and
-//! commands in docs/store.md), a policy for prefix blocks has to get four
+//! commands in docs/results.md), a policy for prefix blocks has to get four
 //! things right at once:
 //!
 //! * **A block is useless without its parents.** Evicting a head block

@@ -15,7 +15,7 @@
 //!   block; every line must agree;
 //! * `session` (optional): an integer or string naming the conversation.
 //!
-//! docs/traces.md has the same description.
+//! docs/guides/traces.md has the same description.
 
 use std::collections::HashMap;
 use std::path::Path;
