@@ -11,7 +11,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testing"))
 
-from no_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401
+from no_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 
 
 def pytest_report_header() -> list[str]:
@@ -19,5 +19,7 @@ def pytest_report_header() -> list[str]:
     import torch
     import transformers
 
-    return [f"reference: transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, "
-            f"torch {torch.__version__}"]
+    return [
+        f"reference: transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, "
+        f"torch {torch.__version__}"
+    ]

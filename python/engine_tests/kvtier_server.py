@@ -31,8 +31,7 @@ def kvtier_bin() -> str:
     path = os.environ.get("KVTIER_BIN")
     if not path:
         raise RuntimeError(
-            "KVTIER_BIN is not set: point it at the kvtier binary to test "
-            "(scripts/test sets it to target/debug/kvtier)"
+            "KVTIER_BIN is not set: point it at the kvtier binary to test (scripts/test sets it to target/debug/kvtier)"
         )
     if not os.access(path, os.X_OK):
         raise RuntimeError(f"KVTIER_BIN={path} is not an executable file")
@@ -57,7 +56,7 @@ class KvtierServer:
         # $KVTIER_SERVE_ARGS: flags added to every server, e.g. `--device
         # cuda:0` to run these checks on a GPU build.
         args += [*shlex.split(os.environ.get("KVTIER_SERVE_ARGS", "")), *(extra or [])]
-        self._stderr = open(log, "ab")
+        self._stderr = open(log, "ab")  # noqa: SIM115 - open while the server runs, closed by stop()
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr)
         lines: queue.Queue[str | None] = queue.Queue()
 
@@ -116,7 +115,9 @@ class KvtierServer:
             code = self.proc.wait(timeout=STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"kvtier serve did not exit {STOP_TIMEOUT} s after SIGTERM; stderr:\n{self.stderr()}")
+            raise AssertionError(
+                f"kvtier serve did not exit {STOP_TIMEOUT} s after SIGTERM; stderr:\n{self.stderr()}"
+            ) from None
         self._stderr.close()
         return code
 

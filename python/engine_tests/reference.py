@@ -49,7 +49,7 @@ class Reference:
     def top(self, step: int, k: int) -> list[tuple[int, float]]:
         """The ``k`` most likely tokens of ``step`` with their logprobs."""
         t = torch.topk(self.logprobs[step], k)
-        return [(int(i), float(v)) for v, i in zip(t.values, t.indices)]
+        return [(int(i), float(v)) for v, i in zip(t.values, t.indices, strict=True)]
 
     def logprob(self, step: int, token: int) -> float:
         return float(self.logprobs[step][token])
@@ -110,7 +110,8 @@ def check_completion_logprobs(ref: Reference, logprobs: dict[str, Any], where: s
     tolerance."""
     got = [token_id(t) for t in logprobs["tokens"]]
     if got != ref.tokens:
-        first = next((i for i, (a, b) in enumerate(zip(got, ref.tokens)) if a != b), min(len(got), len(ref.tokens)))
+        pairs = enumerate(zip(got, ref.tokens, strict=False))
+        first = next((i for i, (a, b) in pairs if a != b), min(len(got), len(ref.tokens)))
         raise AssertionError(
             f"{where}: greedy tokens differ from step {first}:\n kvtier       {got}\n transformers {ref.tokens}\n"
             f" transformers' top-3 at that step: {ref.top(first, 3) if first < len(ref.tokens) else None}"
@@ -118,7 +119,8 @@ def check_completion_logprobs(ref: Reference, logprobs: dict[str, Any], where: s
     assert len(logprobs["token_logprobs"]) == len(ref.tokens), logprobs["token_logprobs"]
     assert len(logprobs["top_logprobs"]) == len(ref.tokens), logprobs["top_logprobs"]
     assert len(logprobs["text_offset"]) == len(ref.tokens), logprobs["text_offset"]
-    for i, (tok, lp, top) in enumerate(zip(ref.tokens, logprobs["token_logprobs"], logprobs["top_logprobs"])):
+    steps = zip(ref.tokens, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True)
+    for i, (tok, lp, top) in enumerate(steps):
         want = ref.logprob(i, tok)
         assert abs(lp - want) <= LOGPROB_TOL, f"{where} step {i}: token {tok} logprob {lp:.6f}, transformers {want:.6f}"
         check_top(ref, i, {token_id(k): v for k, v in top.items()}, f"{where} step {i}")
@@ -130,7 +132,7 @@ def check_values(ref: Reference, step: int, got: list[float], where: str) -> Non
     holds whichever of two near-tied tokens is listed)."""
     assert len(got) == 5, f"{where}: {len(got)} top logprobs, not 5: {got}"
     want = [lp for _, lp in ref.top(step, 5)]
-    for j, (lp, w) in enumerate(zip(sorted(got, reverse=True), want)):
+    for j, (lp, w) in enumerate(zip(sorted(got, reverse=True), want, strict=True)):
         assert abs(lp - w) <= LOGPROB_TOL, (
             f"{where}: top logprob #{j} {lp:.6f}, transformers {w:.6f}; transformers' top-6 {ref.top(step, 6)}"
         )

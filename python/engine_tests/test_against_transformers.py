@@ -112,9 +112,19 @@ CASES = [
     Case("qwen2", dict(arch="qwen2", chat="qwen2", max_position_embeddings=2048), words=24),
     Case("qwen3", dict(arch="qwen3", chat="chatml", max_position_embeddings=2048), words=24),
     Case("phi3", dict(arch="phi3", chat="phi3", max_position_embeddings=4096, legacy_rope_config=True), words=24),
-    Case("qwen2-yarn", dict(arch="qwen2", chat="qwen2", max_position_embeddings=4 * YARN_ORIGINAL,
-                            rope_scaling=YARN, legacy_rope_config=True),
-         words=230, prompt_ids=True, min_prompt_tokens=YARN_ORIGINAL),
+    Case(
+        "qwen2-yarn",
+        dict(
+            arch="qwen2",
+            chat="qwen2",
+            max_position_embeddings=4 * YARN_ORIGINAL,
+            rope_scaling=YARN,
+            legacy_rope_config=True,
+        ),
+        words=230,
+        prompt_ids=True,
+        min_prompt_tokens=YARN_ORIGINAL,
+    ),
 ]
 
 
@@ -143,8 +153,9 @@ def conversation(seed: int, system: bool) -> list[dict[str, str]]:
 
 
 def chat_ids(tok: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                  return_dict=False)
+    ids = tok.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
     return list(ids)
 
 
@@ -155,7 +166,7 @@ def continuation(tok: Any, ref: Reference) -> str | None:
     full = tok.decode(ref.prompt_ids + ref.tokens, skip_special_tokens=True)
     if "\ufffd" in full or not full.startswith(before):
         return None
-    return full[len(before):]
+    return full[len(before) :]
 
 
 @dataclass
@@ -194,8 +205,9 @@ def first_clear(refs: Iterator[tuple[Any, Reference]], n: int, what: str) -> lis
             out.append((item, ref))
             if len(out) == n:
                 return out
-    raise AssertionError(f"{what}: only {len(out)} of {seen} candidates have no near-tie "
-                         f"(smallest margins {margins}); need {n}")
+    raise AssertionError(
+        f"{what}: only {len(out)} of {seen} candidates have no near-tie (smallest margins {margins}); need {n}"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -245,8 +257,16 @@ def server(model: Model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[K
 
 
 def complete(server: KvtierServer, prompt: str | list[int], **extra: Any) -> dict[str, Any]:
-    body = {"model": server.model, "prompt": prompt, "max_tokens": STEPS, "temperature": 0, "logprobs": 5,
-            "return_tokens_as_token_ids": True, "ignore_eos": True, **extra}
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": STEPS,
+        "temperature": 0,
+        "logprobs": 5,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+        **extra,
+    }
     r: dict[str, Any] = server.post("/v1/completions", body)
     return r
 
@@ -267,14 +287,17 @@ def test_tokenize_text(model: Model, server: KvtierServer) -> None:
         assert r["max_model_len"] == model.hf.config.max_position_embeddings, r["max_model_len"]
         plain = tok(text, add_special_tokens=False)["input_ids"]
         r = server.post("/tokenize", {"prompt": text, "add_special_tokens": False})
-        assert r["tokens"] == plain, f"{text!r} without special tokens\n kvtier       {r['tokens']}\n transformers {plain}"
+        assert r["tokens"] == plain, (
+            f"{text!r} without special tokens\n kvtier       {r['tokens']}\n transformers {plain}"
+        )
         r = server.post("/detokenize", {"tokens": plain})
         assert r["prompt"] == tok.decode(plain), f"{r['prompt']!r} != {tok.decode(plain)!r}"
     bos = tok.bos_token_id
     if model.case.make["chat"] == "llama3":
         # The tokenizer adds the BOS, once, as published Llama 3 tokenizers do.
         ids = tok("x")["input_ids"]
-        assert ids[0] == bos and bos not in ids[1:], ids
+        assert ids[0] == bos, ids
+        assert bos not in ids[1:], ids
 
 
 def test_greedy_and_logprobs(model: Model, server: KvtierServer) -> None:
@@ -299,10 +322,11 @@ def test_chat_template(model: Model, server: KvtierServer) -> None:
             want = chat_ids(model.tok, msgs, gen)
             body: dict[str, Any] = {"messages": msgs} if gen else {"messages": msgs, "add_generation_prompt": False}
             r = server.post("/tokenize", body)
+            rendered = model.tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
             assert r["tokens"] == want, (
                 f"{model.case.name} chat (system: {system}, generation prompt: {gen})\n"
                 f" kvtier       {r['tokens']}\n transformers {want}\n"
-                f" rendered by transformers: {model.tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)!r}\n"
+                f" rendered by transformers: {rendered!r}\n"
                 f" kvtier's tokens decoded:  {model.tok.decode(r['tokens'])!r}"
             )
             assert r["count"] == len(want)
@@ -316,15 +340,23 @@ def test_chat_completion(model: Model, server: KvtierServer) -> None:
 
     [(msgs, ref)] = first_clear(candidates(), 1, f"{model.case.name} chats")
     where = f"{model.case.name} chat"
-    r = server.post("/v1/chat/completions", {
-        "model": server.model, "messages": msgs, "max_tokens": STEPS, "temperature": 0,
-        "logprobs": True, "top_logprobs": 5, "ignore_eos": True,
-    })
+    r = server.post(
+        "/v1/chat/completions",
+        {
+            "model": server.model,
+            "messages": msgs,
+            "max_tokens": STEPS,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 5,
+            "ignore_eos": True,
+        },
+    )
     assert r["usage"]["prompt_tokens"] == len(ref.prompt_ids), (where, r["usage"])
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) == STEPS, (where, len(content))
     byte_level = model.byte_level()
-    for i, (tok, c) in enumerate(zip(ref.tokens, content)):
+    for i, (tok, c) in enumerate(zip(ref.tokens, content, strict=True)):
         at = f"{where} step {i}"
         want = ref.logprob(i, tok)
         assert abs(c["logprob"] - want) <= LOGPROB_TOL, (
@@ -353,7 +385,9 @@ def test_logit_bias_picks_the_token(model: Model, server: KvtierServer) -> None:
     assert token_id(lp["tokens"][0]) == target, (lp["tokens"], target, ref.tokens[0])
     # Reported logprobs are the model's, before the bias.
     assert abs(lp["token_logprobs"][0] - ref.logprob(0, target)) <= LOGPROB_TOL, (
-        lp["token_logprobs"][0], ref.logprob(0, target))
+        lp["token_logprobs"][0],
+        ref.logprob(0, target),
+    )
 
 
 def test_reuse_same_prompt_and_after_restart(models: Callable[[str], Model], tmp_path: Path) -> None:
@@ -395,10 +429,10 @@ def test_reuse_same_prompt_and_after_restart(models: Callable[[str], Model], tmp
         restored = complete(s, text)
         check_completion_logprobs(ref, restored["choices"][0]["logprobs"], "reuse: after a restart")
         t = tiers(restored)
-        assert t["g2"] + t["g3"] == n - 1 and t["g1"] == 0, (
-            f"after a restart {t} of {n} prompt tokens came from the cache, not {n - 1} from G2/G3; "
-            f"stderr:\n{s.stderr()}"
-        )
+        why = f"after a restart {t} of {n} prompt tokens came from the cache, not {n - 1} from G2/G3; "
+        why += f"stderr:\n{s.stderr()}"
+        assert t["g2"] + t["g3"] == n - 1, why
+        assert t["g1"] == 0, why
         assert restored["choices"][0]["text"] == first["choices"][0]["text"]
         assert s.terminate() == 0
     finally:

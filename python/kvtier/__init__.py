@@ -33,7 +33,6 @@ from .errors import (
     UnsupportedDtypeError,
 )
 from .loader import load_safetensors
-
 from .store import BlockHash, BlockResult, Layout, Namespace, Store, Transfer
 
 __all__ = [

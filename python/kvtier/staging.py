@@ -93,7 +93,7 @@ class PageStaging:
     def pieces(host: torch.Tensor) -> list[list[torch.Tensor]]:
         """Per block, its pieces in a host buffer: ``host[l, i]`` for each
         layer ``l`` (the regions of a ``Layout.vllm_cpu`` block, in order)."""
-        return [[host[l, i] for l in range(host.shape[0])] for i in range(host.shape[1])]
+        return [[host[li, i] for li in range(host.shape[0])] for i in range(host.shape[1])]
 
     def _canonical(self, page: torch.Tensor) -> torch.Tensor:
         """``[n, heads, 2, tokens, head_size]`` view of host pages."""
@@ -111,9 +111,9 @@ class PageStaging:
         device-to-host copies are complete when this returns."""
         host = self.buffer(len(block_ids))
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
-        for l, t in enumerate(self.layers):
+        for li, t in enumerate(self.layers):
             sel = self._device_view(t.index_select(0, idx))
-            self._canonical(host[l]).copy_(sel.contiguous())
+            self._canonical(host[li]).copy_(sel.contiguous())
         return host
 
     def scatter(self, host: torch.Tensor, block_ids: list[int], layer: int | None = None) -> None:
@@ -128,9 +128,9 @@ class PageStaging:
         n = len(block_ids)
         if layer is not None and not 0 <= layer < len(self.layers):
             raise ValueError(f"kvtier: no layer {layer} of {len(self.layers)}")
-        for l in range(len(self.layers)) if layer is None else [layer]:
-            t = self.layers[l]
-            pages = self._canonical(host[l].to(device, non_blocking=True))
+        for li in range(len(self.layers)) if layer is None else [layer]:
+            t = self.layers[li]
+            pages = self._canonical(host[li].to(device, non_blocking=True))
             if self.arrangement == KV_PER_TOKEN:
                 pages = pages.transpose(2, 3)
             t.index_copy_(0, idx, pages.reshape(n, self.heads, self.tokens, 2 * self.head_size))

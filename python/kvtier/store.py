@@ -32,7 +32,7 @@ Example (vLLM's CPU cache: per layer a ``[num_blocks, kv_heads, 128,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 from . import _kvtier
 from ._kvtier import BlockResult, Layout, Transfer
@@ -41,7 +41,7 @@ __all__ = ["Store", "Namespace", "Layout", "Transfer", "BlockResult", "BlockHash
 
 #: An engine's block hash: ``bytes`` (vLLM's), or an ``int`` (taken as 16
 #: bytes, little-endian, two's complement).
-BlockHash = Union[bytes, bytearray, memoryview, int]
+BlockHash = bytes | bytearray | memoryview | int
 
 #: A piece of memory: ``(payload offset, address, length)``.
 _Piece = tuple[int, int, int]
@@ -134,7 +134,7 @@ class Namespace:
                     "(or pass one array of the whole payload)"
                 )
             block: list[_Piece] = []
-            for (start, end), part in zip(regions, parts):
+            for (start, end), part in zip(regions, parts, strict=True):
                 addr, n = _memory(part, writable)
                 if n != end - start:
                     raise ValueError(f"block {i}: a piece of {n} bytes for a {end - start}-byte region")
@@ -175,19 +175,19 @@ class Namespace:
             raise ValueError(f"{len(layers)} layer tensors for a {layout.layers}-layer layout")
         page = layout.layer_bytes
         bases: list[tuple[int, int]] = []
-        for l, t in enumerate(layers):
+        for li, t in enumerate(layers):
             addr, n = _memory(t, writable)
             if n % page != 0:
-                raise ValueError(f"layer {l}: {n} bytes is not a whole number of {page}-byte pages")
+                raise ValueError(f"layer {li}: {n} bytes is not a whole number of {page}-byte pages")
             bases.append((addr, n // page))
         out: list[list[_Piece]] = []
         for b in block_ids:
             b = int(b)
             block: list[_Piece] = []
-            for l, (addr, pages) in enumerate(bases):
+            for li, (addr, pages) in enumerate(bases):
                 if not 0 <= b < pages:
-                    raise ValueError(f"block id {b} is outside layer {l}'s {pages} pages")
-                start = l * page
+                    raise ValueError(f"block id {b} is outside layer {li}'s {pages} pages")
+                start = li * page
                 block.append((start, addr + b * page, page))
             out.append(block)
         return out

@@ -36,6 +36,7 @@ tok/s rows, slower for the TTFT rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import http.client
 import json
@@ -50,18 +51,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testing"))
 
-import setup_llamacpp  # noqa: E402
-from make_model import text  # noqa: E402
-from setup_llamacpp import REPO, log  # noqa: E402
+import setup_llamacpp
+from make_model import text
+from setup_llamacpp import REPO, log
 
 HOST = "127.0.0.1"
 
@@ -82,15 +82,22 @@ class Proc:
     """A server or tool this script started; every live one is stopped on
     exit, error or signal (see :func:`main`)."""
 
-    live: list[Proc] = []
+    live: ClassVar[list[Proc]] = []
 
     def __init__(self, name: str, cmd: list[str], logs: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.out = logs / f"{name}.stdout"
         self.err = logs / f"{name}.stderr"
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.p = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                      env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            self.p = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         Proc.live.append(self)
 
     def check_alive(self) -> None:
@@ -100,10 +107,8 @@ class Proc:
     def tail(self) -> str:
         parts = []
         for f in (self.out, self.err):
-            try:
+            with contextlib.suppress(OSError):
                 parts.append(f.read_text(errors="replace")[-3000:])
-            except OSError:
-                pass
         return "\n".join(parts)
 
     def stop(self, timeout: float = 120.0) -> None:
@@ -175,8 +180,12 @@ def stream_times(port: int, path: str, body: dict[str, Any], timeout: float = 60
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     times: list[tuple[float, int]] = []
     try:
-        conn.request("POST", path, body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+        conn.request(
+            "POST",
+            path,
+            body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+        )
         r = conn.getresponse()
         if r.status != 200:
             raise RuntimeError(f"POST {path}: HTTP {r.status}: {r.read()[:500]!r}")
@@ -196,7 +205,7 @@ def stream_times(port: int, path: str, body: dict[str, Any], timeout: float = 60
                 raise RuntimeError(f"stream error: {chunk['error']}")
             for c in chunk.get("choices", []):
                 lp = c.get("logprobs")
-                if lp:
+                if lp:  # noqa: SIM108 - two cases, each with its own comment
                     # kvtier (and OpenAI): ``tokens``; llama-server: ``content``.
                     n = len(lp["tokens"] if "tokens" in lp else lp["content"])
                 else:
@@ -232,9 +241,18 @@ def served_decode_tok_s(port: int, ids: list[int], tokens: int, logprobs: int) -
     way, without the prompt's processing). ``logprobs`` makes each chunk
     list its tokens (kvtier: 0, the chosen token only; llama-server lists
     them from 1); either costs one pass over the logits per token."""
-    times = stream_times(port, "/v1/completions", {
-        "prompt": ids, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-        "logprobs": logprobs})
+    times = stream_times(
+        port,
+        "/v1/completions",
+        {
+            "prompt": ids,
+            "max_tokens": tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": logprobs,
+        },
+    )
     if len(times) < 2:
         raise RuntimeError(f"port {port} streamed {len(times)} token chunks for max_tokens {tokens}")
     after_first = sum(n for _, n in times[1:])
@@ -258,8 +276,18 @@ class Kvtier:
 
     def start(self, threads: int, cache_dir: Path, no_prefix_reuse: bool) -> tuple[Proc, int]:
         """A ``kvtier serve``; (the process, its port) once it listens."""
-        cmd = [str(self.binary), "serve", "--model", str(self.model_dir), "--host", HOST, "--port", "0",
-               "--cache-dir", str(cache_dir)]
+        cmd = [
+            str(self.binary),
+            "serve",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            HOST,
+            "--port",
+            "0",
+            "--cache-dir",
+            str(cache_dir),
+        ]
         env = dict(os.environ)
         if self.threads_flag:
             cmd += ["--threads", str(threads)]
@@ -307,18 +335,46 @@ class LlamaCpp:
 
     def bench(self, threads: int, prompt: int, gen: int) -> float:
         """One llama-bench test (its warm-up run, then 1 measured run): tok/s."""
-        cmd = [str(self.bench_bin), "-m", str(self.gguf), "-p", str(prompt), "-n", str(gen),
-               "-t", str(threads), "-r", "1", "-o", "json"]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                             preexec_fn=_die_with_parent).stdout
+        cmd = [
+            str(self.bench_bin),
+            "-m",
+            str(self.gguf),
+            "-p",
+            str(prompt),
+            "-n",
+            str(gen),
+            "-t",
+            str(threads),
+            "-r",
+            "1",
+            "-o",
+            "json",
+        ]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, preexec_fn=_die_with_parent).stdout
         rows = json.loads(out)
         return float(rows[0]["avg_ts"])
 
     def start(self, threads: int, slot_dir: Path) -> tuple[Proc, int]:
         port = free_port()
-        cmd = [str(self.build / "build" / "bin" / "llama-server"), "-m", str(self.gguf),
-               "--host", HOST, "--port", str(port), "-t", str(threads), "-tb", str(threads),
-               "-c", str(self.ctx), "-np", "1", "--slot-save-path", str(slot_dir)]
+        cmd = [
+            str(self.build / "build" / "bin" / "llama-server"),
+            "-m",
+            str(self.gguf),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            str(self.ctx),
+            "-np",
+            "1",
+            "--slot-save-path",
+            str(slot_dir),
+        ]
         self.starts += 1
         proc = Proc(f"llama-server-{self.starts}", cmd, self.logs)
         wait_http_ok(port, proc)
@@ -326,8 +382,9 @@ class LlamaCpp:
 
     @staticmethod
     def complete(port: int, ids: list[int]) -> tuple[dict[str, Any], float]:
-        return post(port, "/completion", {"prompt": ids, "n_predict": 1, "cache_prompt": True,
-                                          "temperature": 0, "id_slot": 0})
+        return post(
+            port, "/completion", {"prompt": ids, "n_predict": 1, "cache_prompt": True, "temperature": 0, "id_slot": 0}
+        )
 
     @staticmethod
     def decode_tok_s(port: int, ids: list[int], tokens: int) -> float:
@@ -352,9 +409,16 @@ class Row:
 
     def as_json(self) -> dict[str, Any]:
         k, ll = statistics.median(self.kvtier), statistics.median(self.llamacpp)
-        return {"threads": self.threads, "metric": self.metric, "kvtier": k, "llamacpp": ll,
-                "ratio": k / ll if ll else None,
-                "kvtier_samples": self.kvtier, "llamacpp_samples": self.llamacpp, **self.extra}
+        return {
+            "threads": self.threads,
+            "metric": self.metric,
+            "kvtier": k,
+            "llamacpp": ll,
+            "ratio": k / ll if ll else None,
+            "kvtier_samples": self.kvtier,
+            "llamacpp_samples": self.llamacpp,
+            **self.extra,
+        }
 
 
 def prompt_ids(tokenizer: Any, seed: int, n: int) -> list[int]:
@@ -365,8 +429,7 @@ def prompt_ids(tokenizer: Any, seed: int, n: int) -> list[int]:
     return ids[:n]
 
 
-def speed_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Namespace,
-               work: Path) -> list[Row]:
+def speed_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Namespace, work: Path) -> list[Row]:
     pre = Row(threads, "prefill_tok_s", extra={"prompt_tokens": a.prefill_tokens})
     dec = Row(threads, "decode_tok_s", extra={"tokens": a.decode_tokens})
     served = Row(threads, "decode_served_tok_s", extra={"tokens": a.decode_tokens})
@@ -392,17 +455,20 @@ def speed_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Nam
                 dec.llamacpp.append(lc.bench(threads, 0, a.decode_tokens))
                 served.kvtier.append(dec.kvtier[-1])
                 served.llamacpp.append(lc.decode_tok_s(lport, short_ids, a.decode_tokens))
-            log(f"  sample {i + 1}/{a.repeats}: prefill {pre.kvtier[-1]:.1f} / {pre.llamacpp[-1]:.1f} tok/s, "
+            log(
+                f"  sample {i + 1}/{a.repeats}: prefill {pre.kvtier[-1]:.1f} / {pre.llamacpp[-1]:.1f} tok/s, "
                 f"decode {dec.kvtier[-1]:.1f} / {dec.llamacpp[-1]:.1f} (llama-bench) / "
-                f"{served.llamacpp[-1]:.1f} (llama-server) tok/s (kvtier / llama.cpp)")
+                f"{served.llamacpp[-1]:.1f} (llama-server) tok/s (kvtier / llama.cpp)"
+            )
     finally:
         lproc.stop()
         proc.stop()
     return [pre, dec, served]
 
 
-def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Namespace,
-              work: Path) -> tuple[list[Row], bool]:
+def ttft_rows(
+    kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Namespace, work: Path
+) -> tuple[list[Row], bool]:
     """The three TTFT rows; and whether the page cache was dropped."""
     n = a.ttft_tokens
     extra = {"prompt_tokens": n}
@@ -414,8 +480,10 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
     kv_cache = work / f"kv-ttft-{threads}"
     slots = work / f"slots-{threads}"
     slots.mkdir()
-    cached: dict[str, list[int]] = {k: [] for k in (
-        "kvtier_rec", "kvtier_hit", "kvtier_restore", "llamacpp_rec", "llamacpp_hit", "llamacpp_restore")}
+    cached: dict[str, list[int]] = {
+        k: []
+        for k in ("kvtier_rec", "kvtier_hit", "kvtier_restore", "llamacpp_rec", "llamacpp_hit", "llamacpp_restore")
+    }
     restore_tiers: list[dict[str, int]] = []
     # The servers' own figures beside the client's: kvtier.ttft_seconds;
     # llama.cpp's timings.prompt_ms (plus the restore call's time).
@@ -490,9 +558,12 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
         row.extra |= {"kvtier_server_s": server[f"kvtier_{m}"], "llamacpp_server_s": server[f"llamacpp_{m}"]}
     rec.extra |= {"kvtier_cached_tokens": cached["kvtier_rec"], "llamacpp_cached_tokens": cached["llamacpp_rec"]}
     hit.extra |= {"kvtier_cached_tokens": cached["kvtier_hit"], "llamacpp_cached_tokens": cached["llamacpp_hit"]}
-    disk.extra |= {"kvtier_cached_tokens": cached["kvtier_restore"],
-                   "kvtier_cached_tokens_by_tier": restore_tiers,
-                   "llamacpp_cached_tokens": cached["llamacpp_restore"], "page_cache_dropped": dropped}
+    disk.extra |= {
+        "kvtier_cached_tokens": cached["kvtier_restore"],
+        "kvtier_cached_tokens_by_tier": restore_tiers,
+        "llamacpp_cached_tokens": cached["llamacpp_restore"],
+        "page_cache_dropped": dropped,
+    }
     return [rec, hit, disk], dropped
 
 
@@ -502,8 +573,7 @@ def ttft_rows(kv: Kvtier, lc: LlamaCpp, tok: Any, threads: int, a: argparse.Name
 def kvtier_binary(arg: str | None) -> Path:
     path = Path(arg) if arg else REPO / "target" / "release" / "kvtier"
     if not path.is_file():
-        raise SystemExit(f"no kvtier binary at {path}: build it with cargo build --release "
-                         "(or pass --kvtier PATH)")
+        raise SystemExit(f"no kvtier binary at {path}: build it with cargo build --release (or pass --kvtier PATH)")
     return path.resolve()
 
 
@@ -526,26 +596,39 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="scripts/bench-llamacpp", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    ap = argparse.ArgumentParser(
+        prog="scripts/bench-llamacpp",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
     ap.add_argument("--json", action="store_true", help="the results as JSON on stdout (progress on stderr)")
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: 1 repeat, a 512-token prefill, a 600-token TTFT prompt, 16 decode tokens, threads 1")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 1 repeat, a 512-token prefill, a 600-token TTFT prompt, 16 decode tokens, threads 1",
+    )
     ap.add_argument("--kvtier", metavar="PATH", help="the kvtier binary (default: target/release/kvtier)")
     ap.add_argument("--threads", default=None, help="thread counts, comma-separated (default: 1,2)")
-    ap.add_argument("--ttft-threads", default=None,
-                    help="thread counts of the TTFT rows (default: those of --threads)")
+    ap.add_argument("--ttft-threads", default=None, help="thread counts of the TTFT rows (default: those of --threads)")
     ap.add_argument("--repeats", type=int, default=None, help="samples per figure, the median reported (default 3)")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="prefill prompt tokens (default 2048)")
     ap.add_argument("--decode-tokens", type=int, default=None, help="decoded tokens (default 64)")
     ap.add_argument("--ttft-tokens", type=int, default=None, help="TTFT prompt tokens (default 2000)")
     ap.add_argument("--size", default="100m", choices=["tiny", "100m"], help="make_model.py's size (default 100m)")
-    ap.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
-                    help="leave the page cache alone before the restarted servers")
-    ap.add_argument("--work-dir", type=Path, default=None,
-                    help="where the logs, kvtier's G3 and llama.cpp's slot files go, on the disk to measure "
-                         "(default: a new temp dir, removed after a successful run)")
+    ap.add_argument(
+        "--no-drop-caches",
+        dest="drop_caches",
+        action="store_false",
+        help="leave the page cache alone before the restarted servers",
+    )
+    ap.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="where the logs, kvtier's G3 and llama.cpp's slot files go, on the disk to measure "
+        "(default: a new temp dir, removed after a successful run)",
+    )
     ap.add_argument("--keep-work", action="store_true", help="keep the work directory (logs, caches, slot files)")
     a = ap.parse_args()
     quick = {"threads": "1", "repeats": 1, "prefill_tokens": 512, "decode_tokens": 16, "ttft_tokens": 600}
@@ -607,10 +690,14 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     out = {
         "rows": [r.as_json() for r in rows],
-        "model": {"size": a.size, "dtype": "f32", "hf": "python/testing/make_model.py",
-                  "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32"},
+        "model": {
+            "size": a.size,
+            "dtype": "f32",
+            "hf": "python/testing/make_model.py",
+            "gguf": "llama.cpp convert_hf_to_gguf.py --outtype f32",
+        },
         "llamacpp_build": f"llama-cpp-python {setup_llamacpp.LLAMA_CPP_PYTHON_VERSION} sdist's vendor/llama.cpp, "
-                    "cmake Release CPU",
+        "cmake Release CPU",
         "kvtier_threads": "--threads" if threads_flag else "RAYON_NUM_THREADS",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
@@ -624,8 +711,10 @@ def main() -> int:
         print(json.dumps(out, indent=2))
     else:
         print(table(out["rows"]))
-        print(f"ratio = kvtier / llama.cpp; {a.repeats} sample(s) per figure (median); "
-              f"page cache dropped before restarts: {out['page_cache_dropped']}; {out['wall_s']} s")
+        print(
+            f"ratio = kvtier / llama.cpp; {a.repeats} sample(s) per figure (median); "
+            f"page cache dropped before restarts: {out['page_cache_dropped']}; {out['wall_s']} s"
+        )
     return 0
 
 

@@ -76,7 +76,7 @@ def cached(dir: Path, what: str, make: Callable[[Path], None]) -> Path:
 
 
 def run(cmd: list[str | Path], **kw: object) -> None:
-    shown = ["<code>" if prev == "-c" else str(c) for prev, c in zip(["", *cmd], cmd)]
+    shown = ["<code>" if prev == "-c" else str(c) for prev, c in zip(["", *cmd], cmd, strict=False)]
     log("+ " + " ".join(shown))
     # Their output goes to stderr with the progress: stdout carries only
     # the bench's result (one JSON object with --json).
@@ -94,9 +94,22 @@ def llamacpp_build() -> Path:
         sdist_dir = dir / "sdist"
         # --no-binary for this package only: pip prepares the sdist's
         # metadata with its build backend, which installs from wheels.
-        run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-             "--no-deps", "--no-binary", "llama-cpp-python", "-d", sdist_dir,
-             f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"])
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--no-binary",
+                "llama-cpp-python",
+                "-d",
+                sdist_dir,
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+            ]
+        )
         (sdist,) = sdist_dir.glob("llama_cpp_python-*.tar.gz")
         prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
         src = dir / "src"
@@ -104,7 +117,7 @@ def llamacpp_build() -> Path:
             members = []
             for m in tar.getmembers():
                 if m.name.startswith(prefix):
-                    m.name = m.name[len(prefix):]
+                    m.name = m.name[len(prefix) :]
                     members.append(m)
             tar.extractall(src, members=members, filter="data")
         shutil.rmtree(sdist_dir)
@@ -113,8 +126,7 @@ def llamacpp_build() -> Path:
         nice = ["nice", "-n", "10"]
         run([*nice, cmake, "-S", src, "-B", build, *CMAKE_FLAGS])
         jobs = str(os.cpu_count() or 1)
-        run([*nice, cmake, "--build", build, "--config", "Release", "-j", jobs,
-             "--target", *TARGETS])
+        run([*nice, cmake, "--build", build, "--config", "Release", "-j", jobs, "--target", *TARGETS])
         for t in TARGETS:
             if not (build / "bin" / t).is_file():
                 raise SystemExit(f"the llama.cpp build made no {build / 'bin' / t}")
@@ -148,8 +160,19 @@ def model(llamacpp: Path, size: str, seed: int) -> tuple[Path, Path]:
         from make_model import make as make_hf
 
         make_hf(dir / "hf", size, seed)
-        run([sys.executable, "-c", CONVERT, llamacpp / "src", dir / "hf",
-             "--outtype", "f32", "--outfile", dir / "model-f32.gguf"])
+        run(
+            [
+                sys.executable,
+                "-c",
+                CONVERT,
+                llamacpp / "src",
+                dir / "hf",
+                "--outtype",
+                "f32",
+                "--outfile",
+                dir / "model-f32.gguf",
+            ]
+        )
 
     cached(dir, f"the {size} model and its GGUF", make)
     return dir / "hf", dir / "model-f32.gguf"

@@ -65,22 +65,37 @@ from pathlib import Path
 from typing import Any
 
 #: Words the tokenizer is trained on and the prompts are made of.
-WORDS = [
-    "".join(random.Random(i).choice("abcdefghijklmnopqrstuvwxyz") for _ in range(2 + i % 7))
-    for i in range(1500)
-]
+WORDS = ["".join(random.Random(i).choice("abcdefghijklmnopqrstuvwxyz") for _ in range(2 + i % 7)) for i in range(1500)]
 
 #: Words outside ASCII that :func:`prose` mixes in (the chat styles'
 #: tokenizers are trained on prose, so they know these characters).
 FOREIGN = ["café", "naïve", "Zürich", "señor", "日本語", "Ωmega", "straße", "résumé"]
 
 SIZES = {
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=2048),
-    "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=4, vocab_size=8192),
-    "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+    ),
+    "100m": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    ),
+    "mini": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),
 }
 
 ARCHS = ("llama", "qwen2", "qwen3", "phi3")
@@ -138,30 +153,56 @@ QWEN2_SPLIT = (
 #: kept in tokenizer_config.json (else chat_template.jinja).
 CHAT_STYLES: dict[str, dict[str, Any]] = {
     "llama3": dict(
-        front=[], end=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-                       "<|end_header_id|>", "<|eot_id|>"],
-        bos="<|begin_of_text|>", eos="<|eot_id|>", unk=None, pad=None,
-        config_bos="<|begin_of_text|>", config_eos=["<|end_of_text|>", "<|eot_id|>"],
-        template=LLAMA3_TEMPLATE, add_bos=True, template_in_config=True,
+        front=[],
+        end=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        unk=None,
+        pad=None,
+        config_bos="<|begin_of_text|>",
+        config_eos=["<|end_of_text|>", "<|eot_id|>"],
+        template=LLAMA3_TEMPLATE,
+        add_bos=True,
+        template_in_config=True,
     ),
     "qwen2": dict(
-        front=[], end=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        bos=None, eos="<|im_end|>", unk=None, pad="<|endoftext|>",
-        config_bos="<|endoftext|>", config_eos="<|im_end|>",
-        template=QWEN2_TEMPLATE, add_bos=False, template_in_config=True,
+        front=[],
+        end=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        bos=None,
+        eos="<|im_end|>",
+        unk=None,
+        pad="<|endoftext|>",
+        config_bos="<|endoftext|>",
+        config_eos="<|im_end|>",
+        template=QWEN2_TEMPLATE,
+        add_bos=False,
+        template_in_config=True,
     ),
     "chatml": dict(
-        front=[], end=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        bos=None, eos="<|im_end|>", unk=None, pad="<|endoftext|>",
-        config_bos="<|endoftext|>", config_eos="<|im_end|>",
-        template=CHATML_TEMPLATE, add_bos=False, template_in_config=False,
+        front=[],
+        end=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        bos=None,
+        eos="<|im_end|>",
+        unk=None,
+        pad="<|endoftext|>",
+        config_bos="<|endoftext|>",
+        config_eos="<|im_end|>",
+        template=CHATML_TEMPLATE,
+        add_bos=False,
+        template_in_config=False,
     ),
     "phi3": dict(
         front=["<unk>", "<s>", "</s>"],
         end=["<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"],
-        bos="<s>", eos="<|endoftext|>", unk="<unk>", pad="<|endoftext|>",
-        config_bos="<s>", config_eos=["<|endoftext|>", "<|end|>"],
-        template=PHI3_TEMPLATE, add_bos=False, template_in_config=True,
+        bos="<s>",
+        eos="<|endoftext|>",
+        unk="<unk>",
+        pad="<|endoftext|>",
+        config_bos="<s>",
+        config_eos=["<|endoftext|>", "<|end|>"],
+        template=PHI3_TEMPLATE,
+        add_bos=False,
+        template_in_config=True,
     ),
 }
 
@@ -232,21 +273,29 @@ def _train_tokenizer(chat: str | None, vocab_size: int) -> Any:
         data["model"]["byte_fallback"] = True
         tok = Tokenizer.from_str(json.dumps(data))
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-        tok.decoder = decoders.Sequence([
-            decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
-        ])
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Replace("▁", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
     else:
         split = LLAMA3_SPLIT if chat == "llama3" else QWEN2_SPLIT
         tok = Tokenizer(models.BPE())
         if chat != "llama3":
             tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+            ]
+        )
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=style["front"],
+            vocab_size=vocab_size,
+            special_tokens=style["front"],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
         tok.train_from_iterator(corpus, trainer=trainer)
@@ -258,16 +307,18 @@ def _save_tokenizer(dir: Path, tok: Any, chat: str | None) -> None:
     from transformers import PreTrainedTokenizerFast
 
     if chat is None:
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-        )
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
         fast.save_pretrained(dir)
         return
     style = CHAT_STYLES[chat]
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=style["bos"], eos_token=style["eos"], unk_token=style["unk"], pad_token=style["pad"],
-        add_bos_token=style["add_bos"], add_eos_token=False,
+        bos_token=style["bos"],
+        eos_token=style["eos"],
+        unk_token=style["unk"],
+        pad_token=style["pad"],
+        add_bos_token=style["add_bos"],
+        add_eos_token=False,
         clean_up_tokenization_spaces=False,
         chat_template=style["template"],
     )
@@ -281,8 +332,9 @@ def _save_tokenizer(dir: Path, tok: Any, chat: str | None) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def _config(arch: str, dims: dict[str, Any], tok: Any, chat: str,
-            max_position_embeddings: int, rope: dict[str, Any]) -> Any:
+def _config(
+    arch: str, dims: dict[str, Any], tok: Any, chat: str, max_position_embeddings: int, rope: dict[str, Any]
+) -> Any:
     """The transformers config of a chat-style model."""
     from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
@@ -307,11 +359,18 @@ def _config(arch: str, dims: dict[str, Any], tok: Any, chat: str,
         return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6, **rope})
     if arch == "qwen3":
         head_dim = 2 * dims["hidden_size"] // dims["num_attention_heads"]
-        return Qwen3Config(**common, head_dim=head_dim, tie_word_embeddings=True,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1e6, **rope})
+        return Qwen3Config(
+            **common,
+            head_dim=head_dim,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, **rope},
+        )
     if arch == "phi3":
-        return Phi3Config(**common, original_max_position_embeddings=max_position_embeddings,
-                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **rope})
+        return Phi3Config(
+            **common,
+            original_max_position_embeddings=max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **rope},
+        )
     raise ValueError(f"unknown arch {arch!r} (one of {ARCHS})")
 
 
@@ -346,8 +405,14 @@ def make(
     style, None for the plain one) into ``dir``. ``make(dir, size, seed)``
     is the vLLM checks' Llama, unchanged."""
     import torch
-    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
-    from transformers import Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    from transformers import (
+        AutoConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Phi3ForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
+    )
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (one of {ARCHS})")
@@ -368,8 +433,9 @@ def make(
         )
     else:
         config = _config(arch, dims, tok, chat, max_position_embeddings, rope_scaling or {})
-    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-           "phi3": Phi3ForCausalLM}[arch]
+    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "phi3": Phi3ForCausalLM}[
+        arch
+    ]
     model = cls(config)
     # Larger weights than the default init: a random model whose logits are
     # not all near-equal, so greedy outputs differ when the KV differs.
@@ -391,8 +457,7 @@ def make(
         _legacy_rope_config(dir)
         loaded = AutoConfig.from_pretrained(dir)
         if loaded.rope_parameters != config.rope_parameters:
-            raise AssertionError(f"legacy config reads back as {loaded.rope_parameters}, "
-                                 f"not {config.rope_parameters}")
+            raise AssertionError(f"legacy config reads back as {loaded.rope_parameters}, not {config.rope_parameters}")
     meta: dict[str, Any] = {"size": size, "seed": seed}
     if chat is not None:
         meta.update(arch=arch, chat=chat)
@@ -405,8 +470,12 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arch", choices=ARCHS, default="llama")
-    ap.add_argument("--chat", choices=sorted(CHAT_STYLES), default=None,
-                    help="tokenizer and chat template style (default: the plain tokenizer, llama only)")
+    ap.add_argument(
+        "--chat",
+        choices=sorted(CHAT_STYLES),
+        default=None,
+        help="tokenizer and chat template style (default: the plain tokenizer, llama only)",
+    )
     a = ap.parse_args()
     make(a.dir, a.size, a.seed, arch=a.arch, chat=a.chat, random_vectors=a.chat is not None)
 

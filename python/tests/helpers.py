@@ -39,8 +39,20 @@ def numpy_tensors(seed: int, count: int) -> dict[str, np.ndarray]:
     """``count`` tensors of every dtype numpy and safetensors share, odd
     shapes, scalars and empty ones included, NaN and inf in the floats."""
     rng = np.random.default_rng(seed)
-    dtypes = [np.float32, np.float16, np.float64, np.int64, np.int32, np.int16,
-              np.int8, np.uint8, np.uint16, np.uint32, np.uint64, np.bool_]
+    dtypes = [
+        np.float32,
+        np.float16,
+        np.float64,
+        np.int64,
+        np.int32,
+        np.int16,
+        np.int8,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.bool_,
+    ]
     shapes = [(7, 13), (3,), (), (2, 0, 5), (1, 1, 1, 9), (64, 33)]
     out = {}
     for i in range(count):
@@ -63,9 +75,23 @@ def torch_tensors(seed: int, count: int) -> dict[str, torch.Tensor]:
     """``count`` tensors of the torch dtypes safetensors stores, bf16 and
     float8 included."""
     g = torch.Generator().manual_seed(seed)
-    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.float64,
-              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-              torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64]
+    dtypes = [
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.float64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    ]
     shapes = [(5, 11), (17,), (), (3, 0), (2, 3, 4), (128, 9)]
     out = {}
     for i in range(count):
@@ -95,7 +121,7 @@ def write_sharded(dir: Path, tensors: dict[str, Any], shards: int) -> list[Path]
         else:
             pt_save_file(part, str(dir / file))
         files.append(dir / file)
-        weight_map.update({n: file for n in part})
+        weight_map.update(dict.fromkeys(part, file))
     index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
     (dir / "model.safetensors.index.json").write_text(json.dumps(index))
     return files

@@ -26,9 +26,7 @@ Case = Callable[[Path], tuple[Path, type, str | None, str]]
 
 def _good(dir: Path) -> Path:
     path = dir / "good.safetensors"
-    safetensors.numpy.save_file(
-        {"a": np.arange(6, dtype=np.float32), "b": np.arange(4, dtype=np.int64)}, str(path)
-    )
+    safetensors.numpy.save_file({"a": np.arange(6, dtype=np.float32), "b": np.arange(4, dtype=np.int64)}, str(path))
     return path
 
 
@@ -99,14 +97,12 @@ def terabyte_tensor(d: Path):
 
 
 def overlap(d: Path):
-    path = raw_file(d / "overlap.safetensors",
-                    _hdr(a=entry("F32", [2], 0, 8), b=entry("F32", [2], 4, 12)), b"\0" * 12)
+    path = raw_file(d / "overlap.safetensors", _hdr(a=entry("F32", [2], 0, 8), b=entry("F32", [2], 4, 12)), b"\0" * 12)
     return path, kvtier.SafetensorsFormatError, "b", "inside tensor"
 
 
 def gap(d: Path):
-    path = raw_file(d / "gap.safetensors",
-                    _hdr(a=entry("F32", [1], 0, 4), b=entry("F32", [1], 8, 12)), b"\0" * 12)
+    path = raw_file(d / "gap.safetensors", _hdr(a=entry("F32", [1], 0, 4), b=entry("F32", [1], 8, 12)), b"\0" * 12)
     return path, kvtier.SafetensorsFormatError, "b", "gap"
 
 
@@ -132,7 +128,10 @@ def unknown_dtype(d: Path):
 
 
 def duplicate_name(d: Path):
-    h = '{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "w": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}'
+    h = (
+        '{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
+        '"w": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}'
+    )
     path = raw_file(d / "dup.safetensors", h, b"\0\0")
     return path, kvtier.SafetensorsFormatError, "w", "more than once"
 
@@ -210,11 +209,32 @@ def corrupt_shard_in_dir(d: Path):
 
 
 CASES: list[Case] = [
-    truncated, too_short, malformed_json, json_cut_inside_a_tensor, malformed_entry, not_a_brace, not_utf8,
-    header_longer_than_file, header_length_4gib, offsets_past_end, terabyte_tensor,
-    overlap, gap, size_mismatch, end_before_start, shape_overflow, unknown_dtype,
-    duplicate_name, longer_than_data, bad_metadata, missing_file, dev_zero_symlink,
-    empty_dir, index_names_missing_shard, index_not_json, index_escapes_dir,
+    truncated,
+    too_short,
+    malformed_json,
+    json_cut_inside_a_tensor,
+    malformed_entry,
+    not_a_brace,
+    not_utf8,
+    header_longer_than_file,
+    header_length_4gib,
+    offsets_past_end,
+    terabyte_tensor,
+    overlap,
+    gap,
+    size_mismatch,
+    end_before_start,
+    shape_overflow,
+    unknown_dtype,
+    duplicate_name,
+    longer_than_data,
+    bad_metadata,
+    missing_file,
+    dev_zero_symlink,
+    empty_dir,
+    index_names_missing_shard,
+    index_not_json,
+    index_escapes_dir,
     index_tensor_not_in_shard,
 ]
 
@@ -229,7 +249,8 @@ def test_bad_input_raises_a_kvtier_error(tmp_path, case, framework):
     assert isinstance(err, kvtier.KvtierError)
     msg = str(err)
     assert phrase in msg, msg
-    assert err.path is not None and Path(err.path).name in msg, (err.path, msg)
+    assert err.path is not None, msg
+    assert Path(err.path).name in msg, (err.path, msg)
     if tensor is not None:
         assert err.tensor == tensor, (err.tensor, msg)
         assert repr(tensor).replace("'", '"') in msg, msg
@@ -244,12 +265,12 @@ def test_corrupt_shard_of_a_directory_is_named(tmp_path):
 
 
 def test_classes_derive_from_the_builtin_a_caller_expects(tmp_path):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="too short"):
         kvtier.load_safetensors(too_short(tmp_path)[0])
-    with pytest.raises(OSError) as e:
+    with pytest.raises(OSError, match="No such file") as e:
         kvtier.load_safetensors(tmp_path / "missing.safetensors")
     assert e.value.errno == 2
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"no model\.safetensors\.index\.json"):
         kvtier.load_safetensors(empty_dir(tmp_path)[0])
 
 

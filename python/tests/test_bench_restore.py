@@ -15,19 +15,36 @@ from pathlib import Path
 
 def test_restore_bench_reports_both_sides_in_one_run(tmp_path: Path) -> None:
     binary = os.environ.get("KVTIER_BIN")
-    assert binary and Path(binary).is_file(), "set KVTIER_BIN to a built kvtier binary"
+    assert binary, "set KVTIER_BIN to a built kvtier binary"
+    assert Path(binary).is_file(), f"KVTIER_BIN={binary} is not a file"
     out = subprocess.run(
         [
-            sys.executable, "-m", "kvtier.bench", "restore",
-            "--total-bytes", str(32 << 20), "--block-bytes", str(1 << 20),
-            "--repeat", "2", "--in-flight", "8", "--kvtier", binary,
-            "--dir", str(tmp_path), "--json",
+            sys.executable,
+            "-m",
+            "kvtier.bench",
+            "restore",
+            "--total-bytes",
+            str(32 << 20),
+            "--block-bytes",
+            str(1 << 20),
+            "--repeat",
+            "2",
+            "--in-flight",
+            "8",
+            "--kvtier",
+            binary,
+            "--dir",
+            str(tmp_path),
+            "--json",
         ],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["python_gbps"] > 0 and report["rust_gbps"] > 0, report
+    assert report["python_gbps"] > 0, report
+    assert report["rust_gbps"] > 0, report
     assert len(report["python_samples_gbps"]) == 2 == len(report["rust_samples_gbps"])
     assert report["ratio"] == report["python_gbps"] / report["rust_gbps"]
     assert report["blocks"] == (32 << 20) // report["slot_bytes"]
@@ -42,18 +59,34 @@ def test_gpu_restore_bench_checks_every_block_both_ways(tmp_path: Path) -> None:
     block, checked equal to its source, and the JSON contract holds."""
     out = subprocess.run(
         [
-            sys.executable, "-m", "kvtier.bench", "gpu-restore", "--device", "cpu",
-            "--total-bytes", str(8 << 20), "--layers", "4", "--repeat", "2",
-            "--dir", str(tmp_path), "--json",
+            sys.executable,
+            "-m",
+            "kvtier.bench",
+            "gpu-restore",
+            "--device",
+            "cpu",
+            "--total-bytes",
+            str(8 << 20),
+            "--layers",
+            "4",
+            "--repeat",
+            "2",
+            "--dir",
+            str(tmp_path),
+            "--json",
         ],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["identical"] is True, report
-    assert report["kvtier_gbps"] > 0 and report["safetensors_gbps"] > 0 and report["h2d_gbps"] > 0, report
+    for key in ("kvtier_gbps", "safetensors_gbps", "h2d_gbps"):
+        assert report[key] > 0, report
     assert report["ratio"] == report["kvtier_gbps"] / report["safetensors_gbps"]
     assert all(len(v) == 2 for v in report["samples_gbps"].values()), report
     # 4 layers of 8 heads x 16 tokens x 256 bf16 values: 64 KiB a page.
-    assert report["blocks"] == (8 << 20) // (4 * 64 << 10) and report["device"] == "cpu"
+    assert report["blocks"] == (8 << 20) // (4 * 64 << 10)
+    assert report["device"] == "cpu"
     assert list(tmp_path.iterdir()) == []

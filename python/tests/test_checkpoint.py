@@ -75,7 +75,8 @@ def test_non_contiguous_and_big_endian_inputs_are_saved_as_their_values(tmp_path
     assert got["strided"].numpy().tolist() == base[::2, 1::3].tolist()
     assert got["big_endian"].dtype == torch.int32
     assert got["big_endian"].tolist() == list(range(7))
-    assert got["scalar"].shape == () and got["scalar"].item() == 2.5
+    assert got["scalar"].shape == ()
+    assert got["scalar"].item() == 2.5
     assert torch.equal(got["torch_t"], t.t())
     assert torch.equal(got["torch_slice"], t[:, 2:5])
     assert torch.equal(got["torch_bf16_t"], t.to(torch.bfloat16).t())
@@ -105,11 +106,12 @@ def test_several_shards_and_every_shard_is_valid_safetensors(tmp_path):
     assert_same_tensors(kvtier.load_checkpoint(tmp_path), tensors)
     # The reference reader loads each shard; apart from kvtier's padding
     # tensors it holds exactly the saved tensors.
-    seen = {}
-    for f in info.files:
-        for name, arr in safetensors.numpy.load_file(f).items():
-            if not name.startswith("__kvtier_pad_"):
-                seen[name] = arr
+    seen = {
+        name: arr
+        for f in info.files
+        for name, arr in safetensors.numpy.load_file(f).items()
+        if not name.startswith("__kvtier_pad_")
+    }
     assert_same_tensors(seen, tensors)
 
 
@@ -141,7 +143,8 @@ def test_a_flipped_data_byte_is_a_checksum_error_naming_the_tensor(tmp_path):
             kvtier.load_checkpoint(tmp_path, framework=fw)
         assert e.value.tensor == "victim"
         assert e.value.path == str(path)
-        assert '"victim"' in str(e.value) and shard["file"] in str(e.value)
+        assert '"victim"' in str(e.value)
+        assert shard["file"] in str(e.value)
         assert isinstance(e.value, kvtier.CheckpointError)
     # Without verification the flipped byte is what comes back: the checksum
     # is what caught it.
@@ -183,7 +186,7 @@ def test_no_checkpoint_is_a_file_not_found_error(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "tensors, phrase",
+    ("tensors", "phrase"),
     [
         ({"c": np.ones(3, np.complex64)}, "complex64"),
         ({"o": np.array([object()])}, "object"),
@@ -196,8 +199,18 @@ def test_no_checkpoint_is_a_file_not_found_error(tmp_path):
         ({"__kvtier_pad_1": np.ones(2)}, "__kvtier_pad_"),
         ({"": np.ones(2)}, "empty"),
     ],
-    ids=["complex", "object", "str", "list", "meta-device", "torch-complex", "sparse",
-         "reserved-metadata", "reserved-pad", "empty-name"],
+    ids=[
+        "complex",
+        "object",
+        "str",
+        "list",
+        "meta-device",
+        "torch-complex",
+        "sparse",
+        "reserved-metadata",
+        "reserved-pad",
+        "empty-name",
+    ],
 )
 def test_invalid_tensors_are_rejected_and_the_old_checkpoint_stays(tmp_path, tensors, phrase):
     old = {"kept": np.arange(4, dtype=np.int16)}
@@ -230,7 +243,8 @@ def test_a_directory_that_is_a_file_is_an_os_error(tmp_path):
 def test_buffered_save_reports_why(tmp_path):
     info = kvtier.save_checkpoint({"a": np.ones(5000)}, tmp_path, direct=False)
     assert info.direct is False
-    assert info.direct_reason is not None and "direct" in info.direct_reason.lower()
+    assert info.direct_reason is not None
+    assert "direct" in info.direct_reason.lower()
     assert_same_tensors(kvtier.load_checkpoint(tmp_path), {"a": np.ones(5000)})
 
 

@@ -86,6 +86,4 @@ def test_sigkill_mid_save_leaves_the_old_or_the_new_checkpoint(tmp_path, delay):
     assert info.generation == generation + 1
     assert check_whole(dir) == generation + 1
     left = sorted(p.name for p in dir.iterdir())
-    assert left == sorted(
-        [Path(f).name for f in info.files] + ["manifest.json", ".kvtier-checkpoint.lock"]
-    )
+    assert left == sorted([Path(f).name for f in info.files] + ["manifest.json", ".kvtier-checkpoint.lock"])

@@ -47,16 +47,18 @@ def test_torch_sharded_model_equals_safetensors(torch_model):
     got = kvtier.load_safetensors(dir, framework="pt")
     want = reference(dir, safetensors.torch.load_file)
     assert {t.dtype for t in got.values()} >= {
-        torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.float8_e4m3fn
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.float8_e4m3fn,
     }
     assert_same_tensors(got, want)
     assert_same_tensors(got, tensors)
 
 
 def test_torch_alias_and_numpy_alias(torch_model, numpy_model):
-    assert_same_tensors(
-        kvtier.load_safetensors(torch_model[0], framework="torch"), torch_model[1]
-    )
+    assert_same_tensors(kvtier.load_safetensors(torch_model[0], framework="torch"), torch_model[1])
     assert_same_tensors(kvtier.load_safetensors(numpy_model[0], framework="np"), numpy_model[1])
 
 
@@ -87,15 +89,19 @@ def test_directory_with_model_safetensors(tmp_path):
 
 def test_bfloat16_with_numpy_is_a_type_error_like_safetensors(torch_model):
     dir, _ = torch_model
-    file = next(f for f in sorted(dir.glob("*.safetensors"))
-                if any(t.dtype == torch.bfloat16 for t in safetensors.torch.load_file(str(f)).values()))
+    file = next(
+        f
+        for f in sorted(dir.glob("*.safetensors"))
+        if any(t.dtype == torch.bfloat16 for t in safetensors.torch.load_file(str(f)).values())
+    )
     with pytest.raises(TypeError):
         safetensors.numpy.load_file(str(file))
     with pytest.raises(kvtier.UnsupportedDtypeError) as e:
         kvtier.load_safetensors(file, framework="numpy")
     assert isinstance(e.value, TypeError)
     assert e.value.path == str(file)
-    assert e.value.tensor is not None and e.value.tensor in str(e.value)
+    assert e.value.tensor is not None
+    assert e.value.tensor in str(e.value)
     assert "BF16" in str(e.value) or "F8" in str(e.value)
 
 
@@ -115,8 +121,10 @@ def test_arrays_view_one_buffer_per_shard_without_copy(numpy_model):
     lo, hi = buffer_range(buf)
     for name, a in got.items():
         addr = a.__array_interface__["data"][0]
-        assert lo <= addr and addr + a.nbytes <= hi, name
-        assert a.flags.writeable and a.flags.aligned, name
+        assert lo <= addr, name
+        assert addr + a.nbytes <= hi, name
+        assert a.flags.writeable, name
+        assert a.flags.aligned, name
 
 
 def test_torch_tensors_share_the_loaded_buffer(torch_model):
@@ -126,13 +134,14 @@ def test_torch_tensors_share_the_loaded_buffer(torch_model):
     # they are views of one buffer holding the file, not copies.
     for file in sorted(dir.glob("*.safetensors")):
         with safetensors.safe_open(str(file), framework="pt") as f:
-            names = [n for n in f.keys() if got[n].numel() > 0]
+            names = [n for n in f.keys() if got[n].numel() > 0]  # noqa: SIM118 - safe_open is no dict
         offsets = dict(header_offsets(file))
         first = names[0]
         for n in names:
             assert got[n].data_ptr() - got[first].data_ptr() == offsets[n] - offsets[first], n
     big = got["lm_head.weight"]
-    assert big.is_contiguous() and big.numel() == 1300 * 4099
+    assert big.is_contiguous()
+    assert big.numel() == 1300 * 4099
 
 
 def header_offsets(file: Path) -> list[tuple[str, int]]:

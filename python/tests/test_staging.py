@@ -75,8 +75,8 @@ def test_staged_pages_are_stored_in_the_cpu_backends_form(
     # what was stored is the CPU form of each page, whatever its arrangement.
     cpu = [torch.zeros(BLOCKS, HEADS, TOKENS, 2 * HEAD, dtype=dtype) for _ in range(LAYERS)]
     assert all(r.ok for r in results(ns.load_pages(keys(4), cpu, [1, 3, 4, 6])))
-    for t_src, t_cpu in zip(src, cpu):
-        for got, want in zip([1, 3, 4, 6], saved_ids):
+    for t_src, t_cpu in zip(src, cpu, strict=True):
+        for got, want in zip([1, 3, 4, 6], saved_ids, strict=True):
             assert torch.equal(t_cpu[got], cpu_page(t_src, want, arrangement))
 
     # Loaded back layer by layer through staging into fresh tensors of the
@@ -88,17 +88,17 @@ def test_staged_pages_are_stored_in_the_cpu_backends_form(
     back = PageStaging(dst, arrangement)
     host = back.buffer(4)
     loading = ns.load(keys(4), PageStaging.pieces(host), layerwise=True)
-    for l in range(LAYERS):
-        assert loading.wait_layer(l, timeout=60)
-        back.scatter(host, [9, 8, 3, 1], layer=l)
+    for li in range(LAYERS):
+        assert loading.wait_layer(li, timeout=60)
+        back.scatter(host, [9, 8, 3, 1], layer=li)
         if device == "cuda":
             torch.cuda.synchronize()
-        for got, want in zip([9, 8, 3, 1], saved_ids):
-            assert torch.equal(dst[l][got], src[l][want])
-        for later in range(l + 1, LAYERS):
+        for got, want in zip([9, 8, 3, 1], saved_ids, strict=True):
+            assert torch.equal(dst[li][got], src[li][want])
+        for later in range(li + 1, LAYERS):
             assert torch.equal(dst[later], before[later])
     assert all(r.ok for r in results(loading))
-    for t_dst, t_before in zip(dst, before):
+    for t_dst, t_before in zip(dst, before, strict=True):
         for b in {0, 2, 4, 5, 6, 7}:
             assert torch.equal(t_dst[b], t_before[b])
 
@@ -122,8 +122,8 @@ def test_a_gpu_style_page_and_a_cpu_page_share_one_stored_block(tmp_path: Path, 
     # Back: the CPU page into a per-token cache gives the original K and V.
     again = kv_cache(device, torch.float32, seed=5, strided=True)
     PageStaging(again, KV_PER_TOKEN).scatter(PageStaging(cpu, KV_PER_BLOCK).gather([0]), [6])
-    for l in range(LAYERS):
-        assert torch.equal(again[l][6], flash[l][4])
+    for li in range(LAYERS):
+        assert torch.equal(again[li][6], flash[li][4])
 
 
 def test_bad_tensors_are_refused() -> None:

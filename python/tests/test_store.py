@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kvtier
-from kvtier import BlockResult, Layout, Store
+from kvtier import Layout, Store
 
 ARRANGEMENTS = ["kv-major", "layer-major", "layer-fused", "latent"]
 
@@ -28,10 +28,7 @@ ARRANGEMENTS = ["kv-major", "layer-major", "layer-fused", "latent"]
 def pages(layout: Layout, blocks: int, seed: int, dtype: str) -> list[np.ndarray]:
     """Per layer a [blocks, layer_bytes] tensor of pages (as numpy bytes)."""
     rng = np.random.default_rng(seed)
-    return [
-        rng.integers(0, 256, size=(blocks, layout.layer_bytes), dtype=np.uint8)
-        for _ in range(layout.layers)
-    ]
+    return [rng.integers(0, 256, size=(blocks, layout.layer_bytes), dtype=np.uint8) for _ in range(layout.layers)]
 
 
 def as_float(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -40,16 +37,10 @@ def as_float(a: np.ndarray, dtype: str) -> np.ndarray:
 
 def region_views(layout: Layout, layers: list[np.ndarray], block: int) -> list[np.ndarray]:
     """The regions of one block in payload order, as views of `layers`."""
-    out = []
     half = layout.layer_bytes // 2
     if layout.arrangement == "kv-major":
-        for part in (0, 1):
-            for t in layers:
-                out.append(t[block, part * half : (part + 1) * half])
-    else:
-        for t in layers:
-            out.append(t[block])
-    return out
+        return [t[block, part * half : (part + 1) * half] for part in (0, 1) for t in layers]
+    return [t[block] for t in layers]
 
 
 def hashes(n: int, tag: bytes = b"") -> list[bytes]:
@@ -72,14 +63,14 @@ def test_every_layout_round_trips_with_numpy(tmp_path: Path, arrangement: str, d
     dst = [np.zeros_like(t) for t in src]
     got = ns.load(keys, [region_views(layout, dst, b) for b in range(20)]).wait()
     assert all(r == "hit" and r.tier == "g2" for r in got), got
-    for a, b in zip(src, dst):
+    for a, b in zip(src, dst, strict=True):
         np.testing.assert_array_equal(a, b)
 
     ns.evict_memory()
     dst = [np.zeros_like(t) for t in src]
     got = ns.load(keys, [region_views(layout, dst, b) for b in range(20)]).wait()
     assert all(r.tier == "g3" for r in got), got
-    for a, b in zip(src, dst):
+    for a, b in zip(src, dst, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -100,20 +91,19 @@ def test_vllm_cpu_pages_round_trip_with_torch(tmp_path: Path, dtype: torch.dtype
     into = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     res = ns.load_pages(keys, fresh, into).wait()
     assert all(r.ok and r.tier == "g3" for r in res), res
-    for l in range(4):
-        for k, (a, b) in enumerate(zip(ids, into)):
-            assert torch.equal(kv[l][a], fresh[l][b]), (l, k)
+    for li in range(4):
+        for k, (a, b) in enumerate(zip(ids, into, strict=True)):
+            assert torch.equal(kv[li][a], fresh[li][b]), (li, k)
         # Pages not loaded into stay zero.
-        assert torch.count_nonzero(fresh[l][10:]) == 0
+        assert torch.count_nonzero(fresh[li][10:]) == 0
 
 
 @pytest.mark.parametrize("codec", ["bf16", "fp8-e4m3", "int8"])
-def test_a_coded_store_keeps_fewer_bytes_and_gives_torch_pages_back_within_bound(
-    tmp_path: Path, codec: str
-) -> None:
+def test_a_coded_store_keeps_fewer_bytes_and_gives_torch_pages_back_within_bound(tmp_path: Path, codec: str) -> None:
     layout = Layout.vllm_cpu(2, 2, 64, block_tokens=16, dtype="f32", codec=codec)
     plain = Layout.vllm_cpu(2, 2, 64, block_tokens=16, dtype="f32")
-    assert layout.codec == codec and plain.codec == "none"
+    assert layout.codec == codec
+    assert plain.codec == "none"
     assert layout.payload_bytes == plain.payload_bytes
     # bf16: 2 bytes a value; fp8 and int8: a 4-byte scale and 64 bytes a row of 64.
     per_row = 128 if codec == "bf16" else 68
@@ -130,7 +120,7 @@ def test_a_coded_store_keeps_fewer_bytes_and_gives_torch_pages_back_within_bound
     back = [torch.zeros_like(t) for t in kv]
     res = ns.load_pages(keys, back, list(range(8))).wait()
     assert all(r.ok and r.tier == "g3" for r in res), res
-    for a, b in zip(kv, back):
+    for a, b in zip(kv, back, strict=True):
         # Per 64-value group (K's half and V's half of each row).
         a64, b64 = a.reshape(-1, 64), b.reshape(-1, 64)
         amax = a64.abs().amax(dim=1, keepdim=True)
@@ -177,10 +167,10 @@ def test_a_layerwise_load_has_each_layer_in_when_wait_layer_says_so(tmp_path: Pa
     # Block 10 is no one's: a miss, never written.
     back = [torch.full_like(t, 7.0) for t in kv]
     t = ns.load_pages(keys + hashes(1, b"none"), back, range(11), layerwise=True)
-    for l in range(4):
-        assert t.wait_layer(l, timeout=60)
-        # Layer l is in now, while later layers may still be read.
-        assert torch.equal(back[l][:10], whole[l][:10]), l
+    for li in range(4):
+        assert t.wait_layer(li, timeout=60)
+        # Layer li is in now, while later layers may still be read.
+        assert torch.equal(back[li][:10], whole[li][:10]), li
     res = t.wait()
     assert [r.status for r in res] == ["hit"] * 10 + ["miss"]
     assert all(r.tier == "g3" for r in res[:10])
@@ -201,8 +191,9 @@ def test_a_layerwise_load_has_each_layer_in_when_wait_layer_says_so(tmp_path: Pa
     back = [torch.zeros_like(t) for t in kv]
     res = ns.load_pages(keys, back, range(10), layerwise=True).wait()
     assert [r.status for r in res] == ["hit"] * 4 + ["corrupt"] + ["hit"] * 5
-    for l in range(4):
-        assert torch.equal(back[l][:4], whole[l][:4]) and torch.equal(back[l][5:10], whole[l][5:10])
+    for li in range(4):
+        assert torch.equal(back[li][:4], whole[li][:4])
+        assert torch.equal(back[li][5:10], whole[li][5:10])
 
 
 def test_warm_read_buffers_commit_the_g2_budget_at_open_and_reads_still_work(tmp_path: Path) -> None:
@@ -271,7 +262,7 @@ def test_a_restore_after_the_warming_takes_no_fresh_memory(tmp_path: Path) -> No
         before = ns.stats()
         back = [torch.zeros_like(t) for t in kv]
         assert all(r.tier == "g3" for r in ns.load_pages(keys, back, range(8)).wait())
-        assert all(torch.equal(a, b) for a, b in zip(kv, back))
+        assert all(torch.equal(a, b) for a, b in zip(kv, back, strict=True))
         return before, ns.stats()["fresh_buffers"] - before["fresh_buffers"]
 
     warmed, fresh = restore(warm=True)
@@ -324,7 +315,9 @@ def test_the_eviction_policy_is_chosen_and_the_prefix_aware_ones_keep_a_chains_h
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     kept = "h" if evicted == "x" else "x"
-    assert seen["g2_blocks"] == 3 and seen[evicted] == "g3" and seen[kept] == "g2", (eviction, seen)
+    assert seen["g2_blocks"] == 3, (eviction, seen)
+    assert seen[evicted] == "g3", (eviction, seen)
+    assert seen[kept] == "g2", (eviction, seen)
     with pytest.raises(ValueError, match="unknown eviction policy"):
         Store(str(tmp_path / "d"), eviction="mru")
 
@@ -383,7 +376,7 @@ def test_a_second_process_on_the_same_cache_dir_is_refused_with_the_holders_pid(
     assert all(r.ok for r in ns.save_pages(hashes(2), src, range(2)).wait())
     dst = [np.zeros_like(t) for t in src]
     assert all(r.tier == "g2" for r in ns.load_pages(hashes(2), dst, range(2)).wait())
-    assert all((a == b).all() for a, b in zip(src, dst))
+    assert all((a == b).all() for a, b in zip(src, dst, strict=True))
 
 
 def _blocks_on_disk_after_kill_9(tmp_path: Path, g3_sync_ms: int) -> int:
@@ -406,7 +399,8 @@ def _blocks_on_disk_after_kill_9(tmp_path: Path, g3_sync_ms: int) -> int:
     )
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "saved"
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "saved"
         time.sleep(1.0)
         child.kill()
     finally:
@@ -447,10 +441,10 @@ def test_a_flipped_byte_is_corrupt_for_that_block_only(tmp_path: Path) -> None:
     res = ns.load_pages(keys, dst, range(6)).wait()
     assert [r.status for r in res] == ["hit", "hit", "corrupt", "hit", "hit", "hit"]
     assert "checksum" in (res[2].reason or "")
-    for l in range(2):
-        assert (dst[l][2] == 0xEE).all(), "a corrupt block reached memory"
+    for li in range(2):
+        assert (dst[li][2] == 0xEE).all(), "a corrupt block reached memory"
         for b in (0, 1, 3, 4, 5):
-            np.testing.assert_array_equal(dst[l][b], src[l][b])
+            np.testing.assert_array_equal(dst[li][b], src[li][b])
     assert ns.stats()["g3_corrupt_blocks"] == 1
     # Deleted: a miss from now on.
     assert ns.lookup(keys[2:3]) == 0
@@ -469,16 +463,17 @@ def test_a_cancelled_load_writes_only_what_it_reports(tmp_path: Path) -> None:
     t = ns.load_pages(keys, dst, range(n))
     t.cancel()
     res = t.wait()
-    assert t.done() and len(t) == n
+    assert t.done()
+    assert len(t) == n
     statuses = {r.status for r in res}
     assert statuses <= {"hit", "cancelled"}, statuses
     assert "cancelled" in statuses
     for b, r in enumerate(res):
-        for l in range(2):
+        for li in range(2):
             if r == "hit":
-                np.testing.assert_array_equal(dst[l][b], src[l][b])
+                np.testing.assert_array_equal(dst[li][b], src[li][b])
             else:
-                assert (dst[l][b] == 0xCC).all(), f"cancelled block {b} was written"
+                assert (dst[li][b] == 0xCC).all(), f"cancelled block {b} was written"
 
 
 def test_misses_and_a_dead_pool_are_told_apart(tmp_path: Path) -> None:
@@ -520,7 +515,7 @@ def test_bad_memory_and_arguments_are_refused(tmp_path: Path) -> None:
         Layout(1, 1, 8, 4, arrangement="planar")
     with pytest.raises(ValueError, match="dtype"):
         Layout(1, 1, 8, 4, dtype="f64")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="layers must be at least 1"):
         Layout(0, 1, 8, 4)
     with pytest.raises(ValueError, match="rank"):
         Layout(1, 1, 8, 4, tp_rank=2, tp_world=2)
@@ -544,7 +539,7 @@ def test_namespaces_share_g2_and_keys_follow_the_documented_scheme(tmp_path: Pat
     a.flush()
     dst = [np.zeros_like(t) for t in src]
     assert all(r.ok for r in a.load_pages(hashes(40), dst, range(40)).wait())
-    for x, y in zip(src, dst):
+    for x, y in zip(src, dst, strict=True):
         np.testing.assert_array_equal(x, y)
     # docs/keys.md's golden vector: raw key of b"abc" for the golden seed.
     golden = Store(str(tmp_path / "g")).namespace(

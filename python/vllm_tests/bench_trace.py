@@ -17,6 +17,7 @@ the replay drives one at a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -32,7 +33,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testing"))
 
-from vllm_server import free_port, kvtier_transfer_config, vllm_command  # noqa: E402
+
+from vllm_server import free_port, kvtier_transfer_config, vllm_command
 
 
 def start(state: Path) -> int:
@@ -85,10 +87,8 @@ def stop(state: Path, timeout: float = 180) -> None:
         if time.monotonic() > deadline:
             os.killpg(pid, signal.SIGKILL)
             deadline = time.monotonic() + 30
-        try:
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
         time.sleep(0.2)
 
 
@@ -130,7 +130,8 @@ def replay(kvtier: str, trace: str, work: Path, name: str, a: argparse.Namespace
     """Runs ``kvtier trace replay`` for one pair (``work/name/kvtier`` and
     ``work/name/baseline`` are the supervisors' state)."""
     states = work / name
-    restart_cmd = f"{shlex.quote(sys.executable)} {shlex.quote(__file__)} restart {shlex.quote(str(states))}/$KVTIER_REPLAY_SERVER"
+    restart = [sys.executable, __file__, "restart"]
+    restart_cmd = f"{shlex.join(restart)} {shlex.quote(str(states))}/$KVTIER_REPLAY_SERVER"
     out = work / "results" / name
     cmd = [
         kvtier, "trace", "replay", trace,
@@ -172,7 +173,9 @@ def stop_pair(work: Path, name: str) -> None:
 def kvtier_part(kvtier: str, trace: str, work: Path, a: argparse.Namespace, block_tokens: int) -> dict[str, Any]:
     model = work / "small"
     if not (model / "config.json").exists():
-        subprocess.run([kvtier, "model", "init", "--preset", "small", str(model)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [kvtier, "model", "init", "--preset", "small", str(model)], check=True, stdout=subprocess.DEVNULL
+        )
     env = dict(os.environ)
 
     def serve(port: int, flags: list[str]) -> list[str]:
@@ -184,8 +187,11 @@ def kvtier_part(kvtier: str, trace: str, work: Path, a: argparse.Namespace, bloc
         # G1 smaller than the cut, so G2 serves too; G3 filled by G2's
         # evictions and the clean stop only (no timer), so the simulator
         # of the server's tiers can follow it.
-        "kvtier": (serve(p1, ["--cache-dir", str(work / "kvtier-cache"), "--pool-pages", "1024",
-                              "--g3-sync-ms", "0"]), env, p1),  # fmt: skip
+        "kvtier": (
+            serve(p1, ["--cache-dir", str(work / "kvtier-cache"), "--pool-pages", "1024", "--g3-sync-ms", "0"]),
+            env,
+            p1,
+        ),
         "baseline": (serve(p2, ["--cache-dir", str(work / "baseline-cache"), "--no-prefix-reuse"]), env, p2),
     }
     pair(work, "kvtier", servers)
@@ -228,10 +234,18 @@ def main() -> int:
     ap.add_argument("--trace", required=True, help="the trace (default in scripts/bench-trace)")
     ap.add_argument("--parts", default="kvtier,vllm", help="comma-separated: kvtier, vllm")
     ap.add_argument("--sample", default="1/48", help="share of the trace's conversations replayed")
-    ap.add_argument("--block-tokens", type=int, default=16,
-                    help="tokens a trace block becomes (Mooncake's 512 x 1/32); also the servers' block size")
-    ap.add_argument("--time-scale", type=float, default=0.15,
-                    help="multiplies the trace's arrival gaps (0.15: more than the no-reuse server keeps up with)")
+    ap.add_argument(
+        "--block-tokens",
+        type=int,
+        default=16,
+        help="tokens a trace block becomes (Mooncake's 512 x 1/32); also the servers' block size",
+    )
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.15,
+        help="multiplies the trace's arrival gaps (0.15: more than the no-reuse server keeps up with)",
+    )
     ap.add_argument("--max-requests", type=int, default=100, help="at most this many requests (0: the whole sample)")
     ap.add_argument("--max-output-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=4096, help="vLLM's context length (the 100 M model's)")

@@ -51,8 +51,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testing"))
 
-from make_model import SIZES, make, text  # noqa: E402
-from vllm_server import Reply, VllmServer, example_transfer_config, kvtier_transfer_config  # noqa: E402
+from make_model import SIZES, make, text
+from vllm_server import Reply, VllmServer, example_transfer_config, kvtier_transfer_config
 
 #: The kvtier modes: connector settings of each (``--kvtier-config`` is
 #: merged over them).
@@ -112,8 +112,9 @@ def _pct(xs: list[float], q: float) -> float:
     return s[k]
 
 
-def run_batch(server: VllmServer, mode: str, run: int, prompts: list[str], concurrency: int, max_tokens: int,
-              bytes_per_token: int) -> tuple[Result, list[str]]:
+def run_batch(
+    server: VllmServer, mode: str, run: int, prompts: list[str], concurrency: int, max_tokens: int, bytes_per_token: int
+) -> tuple[Result, list[str]]:
     """Sends ``prompts`` with ``concurrency`` in flight; one Result and the
     outputs in prompt order."""
     before = server.metrics()
@@ -200,8 +201,8 @@ def gates(rows: list[Row], levels: list[int], identical: bool) -> list[dict[str,
     k, rc, loc = get("kvtier", top), get("recompute", top), get("local", top)
     if k and rc:
         ratio = rc.ttft_p50_median_s / k.ttft_p50_median_s
-        out.append({"name": f"TTFT p50 at concurrency {top}: recompute / kvtier > 12.6 (the brief's 149.5 s -> 11.85 s)",
-                    "value": ratio, "passed": ratio > 12.6})  # fmt: skip
+        name = f"TTFT p50 at concurrency {top}: recompute / kvtier > 12.6 (the brief's 149.5 s -> 11.85 s)"
+        out.append({"name": name, "value": ratio, "passed": ratio > 12.6})
     for c in levels:
         k, ex = get("kvtier", c), get("example", c)
         if k and ex:
@@ -227,19 +228,32 @@ def main() -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default="100m", help="model size (make_model.py)")
     ap.add_argument("--concurrency", default="1,8,16", help="comma-separated concurrencies")
     ap.add_argument("--sessions", type=int, default=16, help="sessions per concurrency")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="runs of every row (the modes of a level interleaved); medians and spread reported")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of every row (the modes of a level interleaved); medians and spread reported",
+    )
     ap.add_argument("--shared-words", type=int, default=1000)
     ap.add_argument("--history-words", type=int, default=900)
     ap.add_argument("--question-words", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--modes", default="recompute,example,kvtier",
-                    help="comma-separated: recompute, example, kvtier, kvtier-sync, kvtier-layerwise, local")
+    ap.add_argument(
+        "--modes",
+        default="recompute,example,kvtier",
+        help="comma-separated: recompute, example, kvtier, kvtier-sync, kvtier-layerwise, local",
+    )
     ap.add_argument("--work-dir", type=Path, default=None, help="where the model and caches go (default: a temp dir)")
-    ap.add_argument("--kvtier-config", default="{}",
-                    help="JSON merged into the connector's kv_connector_extra_config, e.g. '{\"load_async\": false}'")
-    ap.add_argument("--example-prefix-caching", action="store_true",
-                    help="run ExampleConnector with vLLM's prefix caching on (it crashes vLLM at concurrency > 1)")
+    ap.add_argument(
+        "--kvtier-config",
+        default="{}",
+        help="JSON merged into the connector's kv_connector_extra_config, e.g. '{\"load_async\": false}'",
+    )
+    ap.add_argument(
+        "--example-prefix-caching",
+        action="store_true",
+        help="run ExampleConnector with vLLM's prefix caching on (it crashes vLLM at concurrency > 1)",
+    )
     ap.add_argument("--enforce-gates", action="store_true", help="exit 1 if a gate fails")
     a = ap.parse_args()
     if a.repeat < 1:
@@ -363,10 +377,12 @@ def main() -> int:
     lines = ["| mode | conc | run | TTFT p50 s | TTFT p99 s | out tok/s | ext hit tokens | local hit tokens "
              "| restore GB/s | J/token |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in results:
-        lines.append(f"| {r.mode} | {r.concurrency} | {r.run} | {r.ttft_p50_s:.3f} | {r.ttft_p99_s:.3f} | "
-                     f"{r.throughput_tok_s:.1f} | {r.external_hit_tokens} | {r.local_hit_tokens} | "
-                     f"{r.restore_gb_s:.2f} | {r.joules_per_token:.3f} |")  # fmt: skip
+    lines += [
+        f"| {r.mode} | {r.concurrency} | {r.run} | {r.ttft_p50_s:.3f} | {r.ttft_p99_s:.3f} | "
+        f"{r.throughput_tok_s:.1f} | {r.external_hit_tokens} | {r.local_hit_tokens} | "
+        f"{r.restore_gb_s:.2f} | {r.joules_per_token:.3f} |"
+        for r in results
+    ]
     if a.repeat > 1:
         lines += ["", "| mode | conc | runs | TTFT p50 median s | min | max |", "|---|---|---|---|---|---|"]
         for w in rows:

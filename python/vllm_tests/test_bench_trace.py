@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_trace import _group_alive, restart, stop, supervise  # noqa: E402
+from bench_trace import _group_alive, restart, stop, supervise
 
 # A "server" that starts a child of its own (as vLLM starts its engine core)
 # and records both pids.
@@ -63,9 +63,12 @@ def test_restart_stops_the_whole_group_and_starts_the_same_command(tmp_path: Pat
     assert int((state / "pid").read_text()) == first
     restart(state)
     (second, second_child) = _wait_lines(pids, 2)[1]
-    assert second != first and int((state / "pid").read_text()) == second
-    assert not _alive(first) and not _alive(first_child), "the old server and its child are gone"
-    assert _alive(second) and _alive(second_child)
+    assert second != first
+    assert int((state / "pid").read_text()) == second
+    assert not _alive(first), "the old server is gone"
+    assert not _alive(first_child), "the old server's child is gone"
+    assert _alive(second)
+    assert _alive(second_child)
     stop(state)
     assert not _group_alive(second)
     assert not _alive(second_child)

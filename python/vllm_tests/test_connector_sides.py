@@ -135,7 +135,7 @@ def test_config_reads_every_key_with_its_default(tmp_path: Path, monkeypatch: py
     assert (c.remote, c.namespace, c.fingerprint, c.kv_offload_codec) == (None, None, None, "none")
     assert (c.load_async, c.layerwise_load, c.warm_read_buffers, c.force_staging) == (True, True, True, False)
     assert not c.layerwise
-    assert KNOWN_KEYS == {
+    assert {
         "cache_dir",
         "g2_bytes",
         "g3_bytes",
@@ -147,7 +147,7 @@ def test_config_reads_every_key_with_its_default(tmp_path: Path, monkeypatch: py
         "layerwise_load",
         "warm_read_buffers",
         "force_staging",
-    }
+    } == KNOWN_KEYS
 
     c = ConnectorConfig.from_extra(
         {"g2_bytes": "4096", "fingerprint": "", "load_async": False, "namespace": "ns", "remote": "redis://x:1"}
@@ -258,7 +258,7 @@ def test_a_saved_prefix_is_restored_between_steps(tmp_path: Path, staged: bool) 
         engine.worker.clear_connector_metadata()
         engine.finished({"again"}, sending=False)
         assert engine.worker.get_block_ids_with_load_errors() == set()
-        for saved, restored in zip(engine.pages([0, 1, 2]), engine.pages([5, 6, 7])):
+        for saved, restored in zip(engine.pages([0, 1, 2]), engine.pages([5, 6, 7]), strict=True):
             assert torch.equal(saved, restored)
 
         # Restored whole: nothing more to save once the load is reported.
@@ -311,7 +311,7 @@ def test_a_layerwise_restore_is_trusted_only_when_every_layer_was_waited_for(tmp
             engine.worker.clear_connector_metadata()
             assert engine.worker.get_block_ids_with_load_errors() == expect_errors, req_id
             if not expect_errors:
-                for saved, restored in zip(engine.pages([0, 1]), engine.pages([4, 5])):
+                for saved, restored in zip(engine.pages([0, 1]), engine.pages([4, 5]), strict=True):
                     assert torch.equal(saved, restored)
 
         stats = engine.worker.get_kv_connector_stats()

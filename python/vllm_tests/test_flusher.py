@@ -55,5 +55,5 @@ def test_saves_reach_g3_once_copied_and_a_stop_writes_the_rest(tmp_path: Path) -
     out = [torch.zeros_like(t) for t in layers]
     got = ns.load_pages(keys, out, list(range(6))).wait()
     assert [(r.status, r.tier) for r in got or []] == [("hit", "g3")] * 6
-    for a, b in zip(layers, out):
+    for a, b in zip(layers, out, strict=True):
         assert torch.equal(a, b)

@@ -94,7 +94,7 @@ def _redis_keys(port: int) -> int:
 
 
 def _log_lines(log: Path, needle: str) -> list[str]:
-    return [l for l in log.read_text(errors="replace").splitlines() if needle in l]
+    return [line for line in log.read_text(errors="replace").splitlines() if needle in line]
 
 
 def _corrupt(cache_dir: Path, model: str, tokens: list[int], block: int, log: Path) -> tuple[str, int]:
@@ -169,18 +169,22 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -
         _observe(obs, s3, "A after kill", PROMPTS["A"])
         _observe(obs, s3, "B s2 after kill", PROMPTS["B"], salt="s2")
     # S4 and S5: their own G2/G3, one G4.
-    with RedisServer() as redis:
-        with VllmServer(model, logs / "s4.log", kvtier(y, remote=redis.url, force_staging=True)) as s4:
-            s4.complete(WARMUP)
-            _observe(obs, s4, "E node 1", PROMPTS["E"])
-            blocks_e = (obs.replies["E node 1"].prompt_tokens - 1) // 128
-            deadline = time.monotonic() + 60
-            while _redis_keys(redis.port) < blocks_e and time.monotonic() < deadline:
-                time.sleep(0.2)
-            obs.g4_keys = _redis_keys(redis.port)
-            with VllmServer(model, logs / "s5.log", kvtier(z, remote=redis.url, force_staging=True, load_async=False)) as s5:
-                s5.complete(WARMUP)
-                _observe(obs, s5, "E node 2", PROMPTS["E"])
+    with (
+        RedisServer() as redis,
+        VllmServer(model, logs / "s4.log", kvtier(y, remote=redis.url, force_staging=True)) as s4,
+    ):
+        s4.complete(WARMUP)
+        _observe(obs, s4, "E node 1", PROMPTS["E"])
+        blocks_e = (obs.replies["E node 1"].prompt_tokens - 1) // 128
+        deadline = time.monotonic() + 60
+        while _redis_keys(redis.port) < blocks_e and time.monotonic() < deadline:
+            time.sleep(0.2)
+        obs.g4_keys = _redis_keys(redis.port)
+        with VllmServer(
+            model, logs / "s5.log", kvtier(z, remote=redis.url, force_staging=True, load_async=False)
+        ) as s5:
+            s5.complete(WARMUP)
+            _observe(obs, s5, "E node 2", PROMPTS["E"])
     for name in ("s1", "s4", "s5"):
         lines = _log_lines(logs / f"{name}.log", "kvtier: worker rank")
         obs.copy_modes[name] = lines[-1] if lines else ""
@@ -235,7 +239,9 @@ def test_the_first_restores_after_a_restart_take_no_fresh_memory(scenario: Obser
     for name in ("s2", "s3"):
         line = scenario.warm_lines[name]
         m = re.search(r"kvtier: (\d+) of (\d+) read buffers", line)
-        assert m and m.group(1) == m.group(2) and int(m.group(1)) > 0, line
+        assert m, line
+        assert m.group(1) == m.group(2), line
+        assert int(m.group(1)) > 0, line
 
 
 def test_second_node_restores_from_the_shared_g4(scenario: Observed) -> None:

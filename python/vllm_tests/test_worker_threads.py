@@ -81,9 +81,7 @@ def test_a_process_started_on_fewer_cpus_keeps_its_threads_on_them(tmp_path: Pat
     )
     os.sched_setaffinity(0, one)
     try:
-        run = subprocess.run(
-            [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600
-        )
+        run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600)
     finally:
         os.sched_setaffinity(0, every)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -4,6 +4,7 @@ OpenAI requests, read /metrics, stop (SIGTERM) or kill -9."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -112,7 +113,7 @@ class VllmServer:
         self.port = free_port()
         self.log = log
         cmd, env = vllm_command(model, self.port, transfer_config, kv_space_gb, max_model_len, extra_args)
-        self._out = open(log, "ab")
+        self._out = open(log, "ab")  # noqa: SIM115 - open while the server runs, closed by stop()
         # A session of its own: stop() and kill9() reach the engine core
         # and worker processes vLLM starts.
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -224,10 +225,8 @@ class VllmServer:
 
     def kill9(self) -> None:
         """SIGKILL to the server and every process it started."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
         # The engine core and workers share the session; wait until none
         # is left, so their memory and sockets are gone.

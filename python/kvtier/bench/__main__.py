@@ -12,13 +12,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtier.bench", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     load.add_arguments(sub.add_parser("load", help=load.__doc__.splitlines()[0] if load.__doc__ else None))
-    restore.add_arguments(
-        sub.add_parser("restore", help=restore.__doc__.splitlines()[0] if restore.__doc__ else None)
-    )
+    restore.add_arguments(sub.add_parser("restore", help=restore.__doc__.splitlines()[0] if restore.__doc__ else None))
     gpu_restore.add_arguments(
-        sub.add_parser(
-            "gpu-restore", help=gpu_restore.__doc__.splitlines()[0] if gpu_restore.__doc__ else None
-        )
+        sub.add_parser("gpu-restore", help=gpu_restore.__doc__.splitlines()[0] if gpu_restore.__doc__ else None)
     )
     child = sub.add_parser("_child", help=argparse.SUPPRESS)
     child.add_argument("loader")

@@ -94,7 +94,8 @@ class Bench:
             ids = list(range(start, min(start + CHUNK_BLOCKS, self.blocks)))
             host = self.staging.gather(ids)
             res = self.ns.save(self.keys[start : start + len(ids)], PageStaging.pieces(host)).wait()
-            assert res is not None and all(r.ok for r in res), res
+            assert res is not None
+            assert all(r.ok for r in res), res
         self.ns.flush()
 
         # The ExampleConnector's way: a safetensors file per layer.
@@ -102,14 +103,15 @@ class Bench:
 
         self.st_dir = root / "safetensors"
         self.st_dir.mkdir()
-        for l, t in enumerate(self.src):
-            save_file({"kv": t.cpu()}, str(self.st_dir / f"layer{l}.safetensors"))
+        for li, t in enumerate(self.src):
+            save_file({"kv": t.cpu()}, str(self.st_dir / f"layer{li}.safetensors"))
         self.files = [str(p) for p in root.rglob("*") if p.is_file()]
 
     def check(self) -> bool:
         """Every restored block equals its source block; then the cache is
         cleared for the next round."""
-        ok = all(bool(self.torch.equal(d.index_select(0, self.ids), s)) for d, s in zip(self.dst, self.src))
+        pairs = zip(self.dst, self.src, strict=True)
+        ok = all(bool(self.torch.equal(d.index_select(0, self.ids), s)) for d, s in pairs)
         for d in self.dst:
             d.zero_()
         _sync(self.device)
@@ -145,8 +147,8 @@ class Bench:
 
         drop_page_cache(self.files)
         t = time.perf_counter()
-        for l, d in enumerate(self.dst):
-            kv = load_file(str(self.st_dir / f"layer{l}.safetensors"), device=str(self.device))["kv"]
+        for li, d in enumerate(self.dst):
+            kv = load_file(str(self.st_dir / f"layer{li}.safetensors"), device=str(self.device))["kv"]
             d.index_copy_(0, self.ids, kv)
         _sync(self.device)
         secs = time.perf_counter() - t

@@ -121,7 +121,7 @@ def child(loader: str, files: list[str]) -> int:
         secs = time.perf_counter() - t
         print(json.dumps({"loader": loader, "bytes": nbytes, "seconds": secs}), flush=True)
         return 0
-    except Exception as e:  # reported to the parent, which fails the bench
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the bench
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return 2
 
@@ -134,7 +134,8 @@ def _one(loader: str, files: list[str]) -> tuple[float, int, bool]:
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert p.stdin is not None and p.stdout is not None
+    assert p.stdin is not None
+    assert p.stdout is not None
     ready = json.loads(p.stdout.readline() or '{"error": "the loader process died"}')
     if "error" in ready:
         p.wait()

@@ -86,7 +86,8 @@ class PythonSide:
         for start in range(0, blocks, pages):
             chunk = self.keys[start : start + pages]
             res = self.ns.save_pages(chunk, kv, range(len(chunk))).wait()
-            assert res is not None and all(r.ok for r in res), res
+            assert res is not None
+            assert all(r.ok for r in res), res
         self.ns.flush()
         self.dest = [torch.empty(blocks, layout.layer_bytes // 4) for _ in range(LAYERS)]
         for t in self.dest:
@@ -153,7 +154,10 @@ def run(args: argparse.Namespace) -> int:
             rust_samples.extend(case["samples_gbps"])
             limits.append(rust["device_limit_gbps"])
             if not args.json:
-                print(f"round {r + 1}: python {py_samples[-1]:.2f} GB/s, rust {rust_samples[-1]:.2f} GB/s", file=sys.stderr)
+                print(
+                    f"round {r + 1}: python {py_samples[-1]:.2f} GB/s, rust {rust_samples[-1]:.2f} GB/s",
+                    file=sys.stderr,
+                )
         del py
     finally:
         shutil.rmtree(py_root, ignore_errors=True)
@@ -165,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         "rust_gbps": rust_gbps,
         "ratio": python_gbps / rust_gbps if rust_gbps else 0.0,
         # Median of each round's python / rust (neighbours in time).
-        "paired_ratio": median([p / r for p, r in zip(py_samples, rust_samples) if r > 0]),
+        "paired_ratio": median([p / r for p, r in zip(py_samples, rust_samples, strict=True) if r > 0]),
         "python_samples_gbps": py_samples,
         "rust_samples_gbps": rust_samples,
         "device_limit_gbps": median(limits),

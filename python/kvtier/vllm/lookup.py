@@ -17,6 +17,7 @@ This module needs no vLLM: it reads the config it is given by attribute."""
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import logging
 import threading
@@ -120,10 +121,8 @@ class LookupClient:
         connected to at the first lookup instead."""
         with self._lock:
             if self._conn is None:
-                try:
+                with contextlib.suppress(OSError, EOFError):
                     self._conn = Client(self._address, family="AF_UNIX", authkey=self._key)
-                except (OSError, EOFError):
-                    pass
 
     def lookup(self, tokens: list[int], salt: bytes) -> int:
         """How many leading blocks of ``tokens`` (whole blocks) the store

@@ -53,7 +53,7 @@ class KvtierConnectorStats(KVConnectorStats):
 
     def reset(self) -> None:
         # Counts and seconds (floats) side by side.
-        fresh: dict[str, Any] = {k: 0 for k in STAT_KEYS}
+        fresh: dict[str, Any] = dict.fromkeys(STAT_KEYS, 0)
         self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -94,9 +94,7 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             ("fresh_buffers", "Block buffers kvtier took from fresh memory after the start (faulted in on use)"),
         ):
             c = self._counter_cls(name=f"vllm:kvtier_{key}", documentation=doc, labelnames=labelnames)
-            self._counters[key] = {
-                idx: c.labels(*values) for idx, values in per_engine_labelvalues.items()
-            }
+            self._counters[key] = {idx: c.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self._counters.items():

@@ -155,7 +155,7 @@ class KvtierWorker:
         if len(layers) != layout.layers:
             raise ValueError(f"kvtier: {len(layers)} KV cache tensors for a {layout.layers}-layer model")
         shape = (layout.kv_heads, layout.block_tokens, 2 * layout.head_dim)
-        for n, t in zip(names, layers):
+        for n, t in zip(names, layers, strict=True):
             if tuple(t.shape[1:]) != shape or KV_DTYPES.get(t.dtype) != layout.dtype:
                 raise ValueError(
                     f"kvtier: layer {n} has a {t.dtype} KV cache of shape {tuple(t.shape)}; kvtier takes "
@@ -254,7 +254,7 @@ class KvtierWorker:
         assert results is not None
         if r.host is not None and self._staging is not None and not r.layerwise:
             self._staging.scatter(r.host, r.job.block_ids)
-        failed = [b for b, res in zip(r.job.block_ids, results) if not (res.ok and trusted)]
+        failed = [b for b, res in zip(r.job.block_ids, results, strict=True) if not (res.ok and trusted)]
         self._load_errors.update(failed)
         self._stats.loaded(len(results) - len(failed), len(failed), time.monotonic() - r.started, r.layerwise)
         if failed:
@@ -312,9 +312,7 @@ class KvtierWorker:
                 failed = [x for x in results if not x.ok]
                 self._stats.saved(stored, len(failed), time.monotonic() - r.started)
                 if failed:
-                    logger.warning(
-                        "kvtier: %d blocks of request %s not saved: %s", len(failed), req_id, failed[0]
-                    )
+                    logger.warning("kvtier: %d blocks of request %s not saved: %s", len(failed), req_id, failed[0])
                 sending.add(req_id)
         return sending or None, recving or None
 
