@@ -227,32 +227,42 @@ impl Layout {
     }
 }
 
-/// What a load or save did with one block.
+/// What a load or save did with one block (kvtier-store's `BlockResult`,
+/// its typed reason as `cause`).
 #[pyclass(frozen, module = "kvtier._kvtier")]
 pub struct BlockResult {
     /// `hit`, `miss`, `corrupt`, `error`, `stored`, `present` or `cancelled`.
     #[pyo3(get)]
     status: &'static str,
-    /// For a hit, where the block was found: `g2`, `g3` or `g4`.
+    /// For a hit, where the block was found: `g2`, `g3` or `g4` (only for
+    /// a hit, so `tier == "g3"` means "restored from G3"; which tier
+    /// refused a corrupt block is in its `reason`).
     #[pyo3(get)]
     tier: Option<&'static str>,
-    /// For `corrupt` and `error`, why.
+    /// For `corrupt` and `error`, why (a message).
     #[pyo3(get)]
     reason: Option<String>,
+    /// For `corrupt`, what the block's check found (`payload_checksum`,
+    /// `header_checksum`, `key_mismatch`, `wrong_rows`, ...); for `error`,
+    /// what failed (`disk`, `pool` or `block`).
+    #[pyo3(get)]
+    cause: Option<&'static str>,
 }
 
 impl From<StoreResult> for BlockResult {
     fn from(r: StoreResult) -> Self {
         let status = r.name();
-        let (tier, reason) = match r {
-            StoreResult::Hit(t) => (Some(t.name()), None),
-            StoreResult::Corrupt(why) | StoreResult::Error(why) => (None, Some(why)),
-            _ => (None, None),
+        let (tier, reason, cause) = match r {
+            StoreResult::Hit(t) => (Some(t.name()), None, None),
+            StoreResult::Corrupt(why) => (None, Some(why.to_string()), Some(why.reason.code())),
+            StoreResult::Error(why) => (None, Some(why.to_string()), Some(why.cause())),
+            _ => (None, None, None),
         };
         Self {
             status,
             tier,
             reason,
+            cause,
         }
     }
 }

@@ -441,6 +441,9 @@ def test_a_flipped_byte_is_corrupt_for_that_block_only(tmp_path: Path) -> None:
     res = ns.load_pages(keys, dst, range(6)).wait()
     assert [r.status for r in res] == ["hit", "hit", "corrupt", "hit", "hit", "hit"]
     assert "checksum" in (res[2].reason or "")
+    assert res[2].cause == "payload_checksum"
+    assert res[2].tier is None
+    assert res[0].cause is None
     for li in range(2):
         assert (dst[li][2] == 0xEE).all(), "a corrupt block reached memory"
         for b in (0, 1, 3, 4, 5):

@@ -155,6 +155,42 @@ pub enum BlockError {
     /// The output buffer could not be allocated.
     #[error("block buffer allocation failed: {0}")]
     Alloc(String),
+    /// The block is intact but holds another number of token rows than the
+    /// read asked for: a short block (a prompt's tail) never stands in for
+    /// a whole one, nor a whole one for a short one.
+    #[error("holds {held} token rows where {asked} were asked for")]
+    WrongRows {
+        /// Rows the block holds.
+        held: u32,
+        /// Rows the read asked for.
+        asked: u32,
+    },
+}
+
+impl BlockError {
+    /// A stable snake-case name of the variant: the `cause` the Python API
+    /// reports for a refused block.
+    pub fn code(&self) -> &'static str {
+        match self {
+            BlockError::TooShort { .. } => "too_short",
+            BlockError::BadMagic => "bad_magic",
+            BlockError::UnsupportedVersion(_) => "unsupported_version",
+            BlockError::UnknownDtype(_) => "unknown_dtype",
+            BlockError::UnknownArrangement(_) => "unknown_arrangement",
+            BlockError::UnknownCodec(_) => "unknown_codec",
+            BlockError::Codec(_) => "codec",
+            BlockError::ReservedNotZero => "reserved_not_zero",
+            BlockError::HeaderChecksum => "header_checksum",
+            BlockError::PayloadChecksum => "payload_checksum",
+            BlockError::PayloadLength { .. } => "payload_length",
+            BlockError::KeyMismatch { .. } => "key_mismatch",
+            BlockError::BadLayout(_) => "bad_layout",
+            BlockError::LayoutMismatch { .. } => "layout_mismatch",
+            BlockError::FingerprintMismatch { .. } => "fingerprint_mismatch",
+            BlockError::Alloc(_) => "alloc",
+            BlockError::WrongRows { .. } => "wrong_rows",
+        }
+    }
 }
 
 impl From<LayoutError> for BlockError {

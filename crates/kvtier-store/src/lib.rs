@@ -23,6 +23,7 @@ pub mod key;
 pub mod kv_layout;
 pub mod memory;
 pub mod metrics;
+pub mod outcome;
 pub mod remote;
 pub mod store;
 pub mod transfer;
@@ -36,6 +37,7 @@ pub use handle::Handle;
 pub use key::{BlockKey, KeyChain, ModelFingerprint};
 pub use kv_layout::{Arrangement, KvDtype, KvLayout, LayoutError, Part, TpShard};
 pub use metrics::{MetricsFormat, RemoteMetrics, StoreMetrics, Tier};
+pub use outcome::{BlockFailure, BlockRead, Refused};
 pub use remote::{RemoteConfig, RemoteError, RemoteTier};
 pub use store::{
     DEFAULT_G3_SYNC, LayerSink, PrefixLookup, PutReport, SharedMemory, StoreConfig, StoreError,

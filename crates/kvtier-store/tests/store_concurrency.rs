@@ -131,7 +131,7 @@ fn reads_racing_evicting_puts_on_a_full_tier_never_see_foreign_or_torn_bytes() {
                         .collect();
                     for r in tier.read_many(reqs) {
                         match r.outcome {
-                            ReadOutcome::Hit => {
+                            ReadOutcome::Hit(()) => {
                                 assert_encoded(&r.key, &r.buf);
                                 hits.fetch_add(1, Ordering::Relaxed);
                             }
@@ -139,7 +139,7 @@ fn reads_racing_evicting_puts_on_a_full_tier_never_see_foreign_or_torn_bytes() {
                             ReadOutcome::Corrupt(e) => {
                                 panic!("block {} overwritten under its reader: {e}", r.key)
                             }
-                            ReadOutcome::Io(e) => panic!("read of {} failed: {e}", r.key),
+                            ReadOutcome::Failed(e) => panic!("read of {} failed: {e}", r.key),
                         }
                     }
                 }

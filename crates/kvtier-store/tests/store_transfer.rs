@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use common::*;
 use kvtier_store::{
-    Arrangement, BlockKey, BlockRegions, BlockResult, KeyChain, KvCodec, KvDtype, KvLayout, Part,
-    RemoteConfig, StoreConfig, Tier, TieredStore, Transfer,
+    Arrangement, BlockError, BlockFailure, BlockKey, BlockRegions, BlockResult, KeyChain, KvCodec,
+    KvDtype, KvLayout, Part, Refused, RemoteConfig, StoreConfig, Tier, TieredStore, Transfer,
 };
 
 /// An engine's KV cache for one layout: per layer a tensor of `blocks`
@@ -320,7 +320,8 @@ fn a_codec_refuses_non_finite_kv_and_pieces_off_its_groups() {
     let keys = chain_keys(&layout, 1);
     let got = wait(store.save(keys.clone(), vec![one], None).unwrap());
     assert!(
-        matches!(&got[0], BlockResult::Error(why) if why.contains("non-finite")),
+        matches!(&got[0], BlockResult::Error(why @ BlockFailure::Block(BlockError::Codec(_)))
+            if why.to_string().contains("non-finite")),
         "{got:?}"
     );
     assert_eq!(store.lookup_prefix(&keys).hits(), 0, "nothing stored");
@@ -369,7 +370,13 @@ fn corrupt_and_missing_blocks_are_reported_and_never_copied() {
     for (i, r) in got.iter().enumerate() {
         match i {
             3 => assert!(
-                matches!(r, BlockResult::Corrupt(why) if why.contains("checksum")),
+                matches!(
+                    r,
+                    BlockResult::Corrupt(Refused {
+                        tier: Tier::G3,
+                        reason: BlockError::PayloadChecksum
+                    })
+                ),
                 "block 3: {r:?}"
             ),
             8 => assert_eq!(*r, BlockResult::Miss),
@@ -641,7 +648,7 @@ fn an_unreachable_pool_is_an_error_not_a_miss() {
     );
     for r in &got {
         assert!(
-            matches!(r, BlockResult::Error(why) if why.contains("G4")),
+            matches!(r, BlockResult::Error(why @ BlockFailure::Pool(_)) if why.to_string().contains("G4")),
             "{r:?}"
         );
     }

@@ -198,7 +198,7 @@ impl BlockReader {
             }
             for r in disk.read_many_with(reqs, in_flight) {
                 match r.outcome {
-                    ReadOutcome::Hit => hits += 1,
+                    ReadOutcome::Hit(()) => hits += 1,
                     other => {
                         first_error.get_or_insert_with(|| format!("block {}: {other:?}", r.key));
                     }

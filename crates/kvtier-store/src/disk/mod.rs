@@ -72,7 +72,8 @@ use crate::block::BlockError;
 use crate::eviction::EvictionKind;
 use crate::key::{BlockKey, ModelFingerprint};
 use crate::kv_layout::{Arrangement, KvLayout};
-use crate::metrics::TierMetrics;
+use crate::metrics::{Tier, TierMetrics};
+use crate::outcome::{BlockFailure, BlockRead, Refused};
 use crate::verify::BlockSpec;
 pub use part_read::{OnLanded, ReadCuts};
 pub use recover::Recovery;
@@ -169,17 +170,23 @@ pub enum DiskError {
     },
 }
 
-/// What a read of one key found.
-#[derive(Debug)]
-pub enum ReadOutcome {
-    /// The block was found and verified; the buffer holds it.
-    Hit,
-    /// Not in the index.
-    Miss,
-    /// Found but failed verification; it was removed. Served as a miss.
-    Corrupt(BlockError),
-    /// The read failed. Served as a miss; the block stays indexed.
-    Io(io::Error),
+/// What a read of one key found (the buffer travels beside it, in
+/// [`DiskRead`]): a hit verified in the buffer, a miss (not in the index), a
+/// block that failed verification (removed; a miss to the caller), or a
+/// failed read (a miss to the caller; the block stays indexed).
+pub type ReadOutcome = BlockRead<()>;
+
+/// A block G3 held and refused.
+pub(crate) fn refused(reason: BlockError) -> ReadOutcome {
+    BlockRead::Corrupt(Refused {
+        tier: Tier::G3,
+        reason,
+    })
+}
+
+/// A G3 read that failed.
+pub(crate) fn failed(e: &io::Error) -> ReadOutcome {
+    BlockRead::Failed(BlockFailure::disk(e))
 }
 
 /// One result of [`DiskTier::read_many`].

@@ -20,7 +20,7 @@ use std::time::Instant;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoDone, IoOp};
 use parking_lot::Mutex;
 
-use super::{DiskRead, DiskTier, ReadOutcome};
+use super::{DiskRead, DiskTier, ReadOutcome, failed, refused};
 use crate::block::{BlockError, HEADER_BYTES};
 use crate::key::BlockKey;
 
@@ -282,13 +282,13 @@ impl DiskTier {
                 let st = state.into_inner();
                 let end = bounds.last().copied().unwrap_or(0);
                 match st.failed {
-                    Some(Some(e)) => ReadOutcome::Io(e),
-                    Some(None) => ReadOutcome::Corrupt(BlockError::TooShort {
+                    Some(Some(e)) => failed(&e),
+                    Some(None) => refused(BlockError::TooShort {
                         needed: end,
                         got: bounds[st.run],
                     }),
                     None if st.summed < bounds.len() - 1 => {
-                        ReadOutcome::Io(io::Error::other("a part of the read did not complete"))
+                        failed(&io::Error::other("a part of the read did not complete"))
                     }
                     // Only what was read: a block longer than asked for
                     // (a whole one where a short one was) is too short.
@@ -297,8 +297,8 @@ impl DiskTier {
                         &key,
                         Some(st.crc),
                     ) {
-                        Ok(_) => ReadOutcome::Hit,
-                        Err(e) => ReadOutcome::Corrupt(e),
+                        Ok(_) => ReadOutcome::Hit(()),
+                        Err(e) => refused(e),
                     },
                 }
             })

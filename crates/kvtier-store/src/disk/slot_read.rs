@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoDone, IoOp};
 
-use super::{DiskRead, DiskTier, ReadOutcome};
+use super::{DiskRead, DiskTier, ReadOutcome, failed, refused};
 
 /// One pinned read: the request's index, its key and its slot.
 pub(super) type ReadPlan = (usize, BlockKey, u32);
@@ -59,10 +59,10 @@ impl DiskTier {
         let mut bufs = Vec::with_capacity(plan.len());
         for (d, verified) in done {
             settled.push(match (d.result, verified) {
-                (Err(e), _) => ReadOutcome::Io(e),
-                (Ok(_), Some(Ok(()))) => ReadOutcome::Hit,
-                (Ok(_), Some(Err(e))) => ReadOutcome::Corrupt(e),
-                (Ok(_), None) => ReadOutcome::Io(io::Error::other("read not verified")),
+                (Err(e), _) => failed(&e),
+                (Ok(_), Some(Ok(()))) => ReadOutcome::Hit(()),
+                (Ok(_), Some(Err(e))) => refused(e),
+                (Ok(_), None) => failed(&io::Error::other("read not verified")),
             });
             bufs.push(d.buf.into_owned());
         }
@@ -84,7 +84,7 @@ impl DiskTier {
         let mut slots = self.slots.lock();
         for (i, (key, mut buf)) in reqs.into_iter().enumerate() {
             let outcome = if buf.capacity() < self.slot_bytes && slots.slot_of(&key).is_some() {
-                ReadOutcome::Io(io::Error::new(
+                failed(&io::Error::new(
                     io::ErrorKind::InvalidInput,
                     "read buffer smaller than a G3 slot",
                 ))
@@ -123,18 +123,21 @@ impl DiskTier {
             if slots.unpin(slot, &key, corrupt, &mut wipe)
                 && let ReadOutcome::Corrupt(e) = &outcome
             {
-                tracing::warn!("G3 block {key} failed verification ({e}); deleting it");
+                tracing::warn!(
+                    "G3 block {key} failed verification ({}); deleting it",
+                    e.reason
+                );
                 self.metrics.corrupt_blocks.inc();
             }
             match &outcome {
-                ReadOutcome::Hit => {
+                ReadOutcome::Hit(()) => {
                     self.metrics.hits.inc();
                     self.metrics.read_bytes.inc_by(read(j) as u64);
                 }
                 ReadOutcome::Corrupt(_) => {
                     self.metrics.misses.inc();
                 }
-                ReadOutcome::Io(e) => {
+                ReadOutcome::Failed(e) => {
                     tracing::warn!("G3 read of {key} failed: {e}");
                     self.metrics.misses.inc();
                 }
@@ -174,7 +177,7 @@ impl DiskTier {
             match reads.next_if(|r| r.key == *key) {
                 Some(r) => out.push((r.outcome, r.buf)),
                 None => out.push((
-                    ReadOutcome::Io(io::Error::other("the read's buffer was lost")),
+                    failed(&io::Error::other("the read's buffer was lost")),
                     AlignedBuf::empty(),
                 )),
             }
@@ -187,7 +190,7 @@ impl DiskTier {
     pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<AlignedBuf>> {
         self.read_outcomes(keys)
             .into_iter()
-            .map(|(outcome, buf)| matches!(outcome, ReadOutcome::Hit).then_some(buf))
+            .map(|(outcome, buf)| matches!(outcome, ReadOutcome::Hit(())).then_some(buf))
             .collect()
     }
 

@@ -12,6 +12,7 @@ use futures_util::future::BoxFuture;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator};
 
 use super::remote_error::RemoteError;
+use crate::block::BlockError;
 use crate::key::BlockKey;
 use crate::verify::BlockSpec;
 
@@ -54,9 +55,10 @@ pub(crate) trait Backend: Send + Sync {
     fn delete<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), RemoteError>>;
 }
 
-/// What a read gives for one key: absent, a checked block, or why the
-/// value there was refused.
-pub type Fetched = Option<Result<AlignedBuf, String>>;
+/// What a backend's read gives for one key: absent, a checked block, or
+/// why the value there was refused. [`RemoteTier`](super::RemoteTier)
+/// turns it into a [`BlockRead`](crate::BlockRead).
+pub type Fetched = Option<Result<AlignedBuf, BlockError>>;
 
 /// Where values read from the pool land (block buffers of `slot` bytes from
 /// `alloc`) and how they are checked ([`BlockSpec::verify`]). Backends check
@@ -73,15 +75,18 @@ impl Landing {
     /// Checks a value already in a block buffer (its length the value's,
     /// its capacity at least a slot) and extends it to a whole local block
     /// (zero padding); `Err` says why it was refused.
-    pub(crate) fn check(&self, key: &BlockKey, mut buf: AlignedBuf) -> Result<AlignedBuf, String> {
+    pub(crate) fn check(
+        &self,
+        key: &BlockKey,
+        mut buf: AlignedBuf,
+    ) -> Result<AlignedBuf, BlockError> {
         let len = buf.len();
-        self.spec.verify(&buf, key).map_err(|e| e.to_string())?;
+        self.spec.verify(&buf, key)?;
         if buf.capacity() < self.slot {
-            return Err(format!(
-                "{len} bytes in a buffer of {}, less than a block's {}",
-                buf.capacity(),
-                self.slot
-            ));
+            return Err(BlockError::TooShort {
+                needed: self.slot,
+                got: buf.capacity(),
+            });
         }
         buf.set_len(self.slot);
         buf[len..].fill(0);
@@ -93,7 +98,7 @@ impl Landing {
         &self,
         key: &BlockKey,
         value: &[u8],
-    ) -> Result<Result<AlignedBuf, String>, RemoteError> {
+    ) -> Result<Result<AlignedBuf, BlockError>, RemoteError> {
         let buf = to_block_buf(value, &self.alloc, self.slot)?;
         Ok(self.check(key, buf))
     }

@@ -45,7 +45,8 @@ pub use remote_config::{RemoteConfig, S3Options, Target, parse_target, redact_ur
 pub use remote_error::RemoteError;
 
 use crate::key::BlockKey;
-use crate::metrics::{RemoteMetrics, TierMetrics};
+use crate::metrics::{RemoteMetrics, Tier, TierMetrics};
+use crate::outcome::{BlockFailure, BlockRead, Refused};
 use crate::verify::BlockSpec;
 use backend::Backend;
 
@@ -221,35 +222,24 @@ impl RemoteTier {
         out
     }
 
-    /// Reads `keys`, each into a block buffer and checked (`None`: absent,
-    /// or the pool failed; `Some(Err)`: the value there was refused).
-    pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Fetched> {
-        self.get_batches(keys, false).0
-    }
-
-    /// [`get_many`](Self::get_many) for the keys of a prefix: no batch is
-    /// sent after one that held a miss (the prefix ends there), so a long
-    /// prompt whose prefix is short in the pool costs one batch, not one per
-    /// key. One GET per key, no EXISTS first.
-    pub fn get_leading(&self, keys: &[BlockKey]) -> Vec<Fetched> {
-        self.get_batches(keys, true).0
-    }
-
-    /// [`get_many`](Self::get_many), saying why keys went unanswered: the
-    /// `Some((first, why))` when the pool failed (or its breaker is open)
-    /// from key `first` on, whose results are then `None` without being
-    /// misses.
-    pub fn get_many_reporting(&self, keys: &[BlockKey]) -> (Vec<Fetched>, Option<(usize, String)>) {
+    /// Reads `keys`, each into a block buffer and checked: a hit, a miss, a
+    /// value refused by its check, or (from the first batch the pool did not
+    /// answer on, or while its breaker is open) a failed read.
+    pub fn get_many(&self, keys: &[BlockKey]) -> Vec<BlockRead<AlignedBuf>> {
         self.get_batches(keys, false)
     }
 
-    fn get_batches(
-        &self,
-        keys: &[BlockKey],
-        stop_at_miss: bool,
-    ) -> (Vec<Fetched>, Option<(usize, String)>) {
-        let mut out: Vec<Fetched> = Vec::with_capacity(keys.len());
-        let mut failed = None;
+    /// [`get_many`](Self::get_many) for the keys of a prefix: no batch is
+    /// sent after one that held a miss (the prefix ends there, the keys
+    /// after it are misses), so a long prompt whose prefix is short in the
+    /// pool costs one batch, not one per key. One GET per key, no EXISTS
+    /// first.
+    pub fn get_leading(&self, keys: &[BlockKey]) -> Vec<BlockRead<AlignedBuf>> {
+        self.get_batches(keys, true)
+    }
+
+    fn get_batches(&self, keys: &[BlockKey], stop_at_miss: bool) -> Vec<BlockRead<AlignedBuf>> {
+        let mut out: Vec<BlockRead<AlignedBuf>> = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(self.batch_blocks) {
             let names: Vec<String> = chunk.iter().map(|k| self.name(k)).collect();
             let (n, landing, chunk) = (self.in_flight, self.landing.clone(), chunk.to_vec());
@@ -260,19 +250,27 @@ impl RemoteTier {
                     let bytes: usize = values.iter().flatten().flatten().map(AlignedBuf::len).sum();
                     self.metrics.read_bytes.inc_by(bytes as u64);
                     let missed = values.iter().any(|v| !matches!(v, Some(Ok(_))));
-                    out.extend(values);
+                    out.extend(values.into_iter().map(|v| match v {
+                        Some(Ok(buf)) => BlockRead::Hit(buf),
+                        Some(Err(reason)) => BlockRead::Corrupt(Refused {
+                            tier: Tier::G4,
+                            reason,
+                        }),
+                        None => BlockRead::Miss,
+                    }));
                     if stop_at_miss && missed {
                         break;
                     }
                 }
                 Err(e) => {
-                    failed = Some((out.len(), format!("G4 {}: {e}", self.shown())));
+                    let why = BlockFailure::Pool(format!("G4 {}: {e}", self.shown()));
+                    out.resize_with(keys.len(), || BlockRead::Failed(why.clone()));
                     break;
                 }
             }
         }
-        out.resize_with(keys.len(), || None);
-        (out, failed)
+        out.resize_with(keys.len(), || BlockRead::Miss);
+        out
     }
 
     /// Writes `blocks`; returns how many were written. Stops at the first

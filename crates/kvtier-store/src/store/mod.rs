@@ -60,7 +60,6 @@ use crate::workers::Workers;
 pub use layer_reads::{LayerSink, MAX_PAUSE, MIN_PART_BYTES};
 pub use shared_memory::SharedMemory;
 pub use store_error::StoreError;
-pub(crate) use tier_reads::Found;
 pub use warm_buffers::WarmProgress;
 use write_back::{LocalBlock, WriteBack};
 use write_through::WriteThrough;
@@ -196,14 +195,23 @@ pub struct StoredBlock {
 
 impl StoredBlock {
     /// The block `buf` holds (encoded here, or verified on its way in),
-    /// read from `tier`; `None` when its header does not decode or its
+    /// read from `tier`; an error when its header does not decode or its
     /// payload overruns the buffer.
-    pub(crate) fn of(key: BlockKey, tier: Tier, buf: Arc<AlignedBuf>) -> Option<Self> {
-        let header = crate::block::BlockHeader::decode(&buf).ok()?;
-        let payload_len = usize::try_from(header.payload_len)
-            .ok()
-            .filter(|&n| HEADER_BYTES.saturating_add(n) <= buf.len())?;
-        Some(Self {
+    pub(crate) fn of(
+        key: BlockKey,
+        tier: Tier,
+        buf: Arc<AlignedBuf>,
+    ) -> Result<Self, crate::block::BlockError> {
+        let header = crate::block::BlockHeader::decode(&buf)?;
+        let payload_len = usize::try_from(header.payload_len).unwrap_or(usize::MAX);
+        let needed = HEADER_BYTES.saturating_add(payload_len);
+        if needed > buf.len() {
+            return Err(crate::block::BlockError::TooShort {
+                needed,
+                got: buf.len(),
+            });
+        }
+        Ok(Self {
             key,
             tier,
             buf,
@@ -570,7 +578,12 @@ impl TieredStore {
     /// A buffer for one block of this store's layout, to be filled in place
     /// and handed to [`offer`](Self::offer).
     pub fn new_block(&self) -> Result<BlockBuf, StoreError> {
-        Ok(BlockBuf::new(self.inner.layout, &self.inner.alloc)?)
+        Ok(self.block_buf()?)
+    }
+
+    /// [`new_block`](Self::new_block), its error the block's own.
+    pub(crate) fn block_buf(&self) -> Result<BlockBuf, BlockError> {
+        BlockBuf::new(self.inner.layout, &self.inner.alloc)
     }
 
     /// [`new_block`](Self::new_block) for a short block of `rows` token
@@ -825,7 +838,7 @@ impl TieredStore {
                 let blocks = store
                     .fetch_to(&keys, true, sink.as_deref(), tail_rows)
                     .into_iter()
-                    .map_while(Found::into_hit)
+                    .map_while(crate::outcome::BlockRead::hit)
                     .collect();
                 // Let go of the store before the caller is told: one that
                 // then closes its store (and reopens the directory) must

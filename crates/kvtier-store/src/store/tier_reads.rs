@@ -3,8 +3,11 @@
 //! time, every block is verified where it lands, and hits from below G2 are
 //! promoted into G2.
 //!
-//! Each key's outcome is kept ([`Found`]): a hit, a miss, a block that
-//! failed verification (deleted from its tier) or a read that failed.
+//! Each key's outcome is kept ([`BlockRead`]): a hit, a miss, a block
+//! that failed verification (deleted from its tier) or a read that failed.
+//! One read is a [`TierRead`] run in steps: G2 first, then the plan of
+//! what G3 and G4 are asked for, both tiers' reads at once, and the settling
+//! of what landed (checked, promoted into G2, counted).
 //! [`TieredStore::get_many`] and [`TieredStore::read_prefix`] see only hits
 //! (the rest is counted and logged); the transfers of outside engines
 //! (`transfer`) report every outcome per block.
@@ -14,40 +17,21 @@
 //! G4, asks G4 with GETs alone (no EXISTS first) and sends no GET batch
 //! after one that missed, and cuts the result at the first miss.
 
+use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvtier_io::AlignedBuf;
 
 use super::layer_reads::{LayerSink, LayerSpans, Paced, pause};
 use super::{StoredBlock, TieredStore};
-use crate::block::{BlockHeader, HEADER_BYTES};
+use crate::block::{BlockError, BlockHeader, HEADER_BYTES};
 use crate::disk::{ReadCuts, ReadOutcome};
 use crate::key::BlockKey;
+use crate::kv_layout::KvLayout;
+use crate::memory::Evicted;
 use crate::metrics::Tier;
-use crate::remote::Fetched;
-
-/// What one key's read found.
-#[derive(Debug)]
-pub(crate) enum Found {
-    /// Found, verified, and (from below G2) promoted into G2.
-    Hit(StoredBlock),
-    /// No tier holds it.
-    Miss,
-    /// A tier held it but it failed verification; deleted there.
-    Corrupt(String),
-    /// Reading it failed (I/O error, G4 unreachable): no tier answered.
-    Failed(String),
-}
-
-impl Found {
-    /// The block, for a hit.
-    pub(crate) fn into_hit(self) -> Option<StoredBlock> {
-        match self {
-            Found::Hit(b) => Some(b),
-            _ => None,
-        }
-    }
-}
+use crate::outcome::{BlockRead, Refused};
 
 impl TieredStore {
     /// Reads `keys`: G2 hits from memory, every G3 hit in one batch with
@@ -57,7 +41,7 @@ impl TieredStore {
     pub fn get_many(&self, keys: &[BlockKey]) -> Vec<Option<StoredBlock>> {
         self.fetch(keys, false)
             .into_iter()
-            .map(Found::into_hit)
+            .map(BlockRead::hit)
             .collect()
     }
 
@@ -67,14 +51,14 @@ impl TieredStore {
     pub fn read_prefix(&self, keys: &[BlockKey]) -> Vec<StoredBlock> {
         self.fetch(keys, true)
             .into_iter()
-            .map_while(Found::into_hit)
+            .map_while(BlockRead::hit)
             .collect()
     }
 
     /// Reads `keys` through every tier (see the module docs); with
     /// `leading`, only as far as the leading run of cached blocks can go
     /// (the outcomes past it are misses).
-    pub(crate) fn fetch(&self, keys: &[BlockKey], leading: bool) -> Vec<Found> {
+    pub(crate) fn fetch(&self, keys: &[BlockKey], leading: bool) -> Vec<BlockRead<StoredBlock>> {
         self.fetch_to(keys, leading, None, None)
     }
 
@@ -93,32 +77,126 @@ impl TieredStore {
         leading: bool,
         sink: Option<&dyn LayerSink>,
         tail_rows: Option<u32>,
-    ) -> Vec<Found> {
-        let inner = &self.inner;
-        let layers = inner.layout.layers;
-        let rows_of = |i: usize| match tail_rows {
-            Some(rows) if i + 1 == keys.len() => rows,
-            _ => inner.layout.block_tokens,
-        };
-        let layout_of = |i: usize| inner.layout.with_tokens(rows_of(i));
-        let spans_of = |i: usize| sink.and_then(|_| LayerSpans::of(&layout_of(i)));
+    ) -> Vec<BlockRead<StoredBlock>> {
         let paced = sink.map(Paced);
         let sink = paced.as_ref().map(|p| p as &dyn LayerSink);
-        // A G4 value, read whole: all its layers at once, if it holds the
-        // rows asked for (checked again, with the rest, where it lands).
-        let whole = |i: usize, buf: &AlignedBuf| {
-            let Some(sink) = sink else { return };
-            let len = layout_of(i).stored_payload_bytes() as usize;
-            if BlockHeader::decode(buf).is_ok_and(|h| h.layout.block_tokens == rows_of(i))
-                && let Some(p) = buf.get(HEADER_BYTES..HEADER_BYTES + len)
-            {
-                sink.layers(i, 0..layers, p);
-            }
-        };
-        let block =
-            |i: usize, tier: Tier, buf: Arc<AlignedBuf>| holding(keys[i], tier, buf, rows_of(i));
+        TierRead::new(self, keys, leading, sink, tail_rows).run()
+    }
+}
 
-        // G2: blocks waiting for write-back are still G2 hits.
+/// One read of `keys` through the tiers, in steps ([`run`](Self::run)):
+/// [`g2`](Self::g2) takes what memory holds, [`plan`](Self::plan) splits
+/// the rest between G3 and G4, [`read_g3`](Self::read_g3) and
+/// [`read_g4`](Self::read_g4) run at the same time, and
+/// [`settle_g3`](Self::settle_g3) / [`settle_g4`](Self::settle_g4) check
+/// what landed, promote the hits into G2 and record each key's outcome.
+struct TierRead<'a> {
+    store: &'a TieredStore,
+    keys: &'a [BlockKey],
+    /// Only the leading run of cached blocks is wanted.
+    leading: bool,
+    /// The sink the layers are handed to (paced), if any.
+    sink: Option<&'a dyn LayerSink>,
+    /// Token rows of the last key, a short block.
+    tail_rows: Option<u32>,
+    /// Each key's outcome so far.
+    out: Vec<BlockRead<StoredBlock>>,
+    /// Indexes of the keys G3 holds.
+    from_g3: Vec<usize>,
+    /// Indexes of the keys asked of G4.
+    from_g4: Vec<usize>,
+    /// The sink has been told the plan.
+    told: AtomicBool,
+}
+
+impl<'a> TierRead<'a> {
+    fn new(
+        store: &'a TieredStore,
+        keys: &'a [BlockKey],
+        leading: bool,
+        sink: Option<&'a dyn LayerSink>,
+        tail_rows: Option<u32>,
+    ) -> Self {
+        Self {
+            store,
+            keys,
+            leading,
+            sink,
+            tail_rows,
+            out: Vec::new(),
+            from_g3: Vec::new(),
+            from_g4: Vec::new(),
+            told: AtomicBool::new(false),
+        }
+    }
+
+    /// The steps, in order.
+    fn run(mut self) -> Vec<BlockRead<StoredBlock>> {
+        self.g2();
+        self.plan();
+        // Both tiers' reads in flight at once: G4 on a second thread (it
+        // mostly waits on the network), G3 here.
+        let (got_g3, got_g4) = if self.from_g3.is_empty() || self.from_g4.is_empty() {
+            (self.read_g3(), self.read_g4())
+        } else {
+            let this = &self;
+            std::thread::scope(|s| {
+                let g4 = s.spawn(|| this.read_g4());
+                let g3 = this.read_g3();
+                (g3, g4.join().unwrap_or_default())
+            })
+        };
+        // Nothing went into the kernel (no G3 reads, or no slot to read).
+        self.tell_plan();
+        let mut evicted = self.settle_g3(got_g3);
+        evicted.extend(self.settle_g4(got_g4));
+        self.store.demote(evicted, false);
+        self.out
+    }
+
+    /// Token rows key `i` was asked with.
+    fn rows_of(&self, i: usize) -> u32 {
+        match self.tail_rows {
+            Some(rows) if i + 1 == self.keys.len() => rows,
+            _ => self.store.inner.layout.block_tokens,
+        }
+    }
+
+    /// The layout of key `i`'s block (a short one for a short tail).
+    fn layout_of(&self, i: usize) -> KvLayout {
+        self.store.inner.layout.with_tokens(self.rows_of(i))
+    }
+
+    /// Every layer of the store's layout.
+    fn all_layers(&self) -> Range<u32> {
+        0..self.store.inner.layout.layers
+    }
+
+    /// The block `buf` holds for key `i`, read from `tier`, if it holds the
+    /// rows asked for.
+    fn hold(&self, i: usize, tier: Tier, buf: Arc<AlignedBuf>) -> Result<StoredBlock, BlockError> {
+        holding(self.keys[i], tier, buf, self.rows_of(i))
+    }
+
+    /// A G4 value, read whole: all its layers to the sink at once, if it
+    /// holds the rows asked for (checked again, with the rest, where it
+    /// lands).
+    fn hand_whole(&self, i: usize, buf: &AlignedBuf) {
+        let Some(sink) = self.sink else { return };
+        let len = self.layout_of(i).stored_payload_bytes() as usize;
+        if BlockHeader::decode(buf).is_ok_and(|h| h.layout.block_tokens == self.rows_of(i))
+            && let Some(p) = buf.get(HEADER_BYTES..HEADER_BYTES + len)
+        {
+            sink.layers(i, self.all_layers(), p);
+        }
+    }
+
+    /// G2: the blocks memory holds, including those waiting for write-back
+    /// (still G2 hits); a block G2 refuses is dropped there and looked for
+    /// below, where a copy is refused too.
+    fn g2(&mut self) {
+        let inner = &self.store.inner;
+        let keys = self.keys;
         let mut in_g2 = match &inner.write_back {
             Some(w) => w.pending.get_many(keys),
             None => vec![None; keys.len()],
@@ -131,266 +209,290 @@ impl TieredStore {
             g2.read_bytes.inc_by(bytes as u64);
         }
         inner.memory.get_many(keys, &mut in_g2);
-        let mut out: Vec<Found> = in_g2
+        self.out = in_g2
             .into_iter()
             .enumerate()
-            .map(|(i, b)| match b.map(|b| block(i, Tier::G2, b)) {
-                None => Found::Miss,
-                Some(Ok(b)) => Found::Hit(b),
+            .map(|(i, b)| match b.map(|b| self.hold(i, Tier::G2, b)) {
+                None => BlockRead::Miss,
+                Some(Ok(b)) => BlockRead::Hit(b),
                 Some(Err(why)) => {
                     tracing::warn!("G2 block {} refused ({why}); dropping it", keys[i]);
                     inner.memory.remove(&keys[i]);
-                    // Looked for below, where a copy is refused too.
-                    Found::Miss
+                    BlockRead::Miss
                 }
             })
             .collect();
-        for (i, found) in out.iter().enumerate() {
-            if let (Some(sink), Found::Hit(b)) = (sink, found) {
-                sink.layers(i, 0..layers, b.payload());
+        if let Some(sink) = self.sink {
+            for (i, found) in self.out.iter().enumerate() {
+                if let BlockRead::Hit(b) = found {
+                    sink.layers(i, self.all_layers(), b.payload());
+                }
             }
         }
-        self.record_sightings(
+        self.store.record_sightings(
             keys.iter()
-                .zip(&out)
-                .filter(|(_, b)| matches!(b, Found::Hit(_)))
+                .zip(&self.out)
+                .filter(|(_, b)| b.is_hit())
                 .map(|(k, _)| k),
         );
+    }
 
-        // Below G2: which keys G3 holds (one lock), the rest from G4.
-        let missing: Vec<usize> = (0..keys.len())
-            .filter(|&i| !matches!(out[i], Found::Hit(_)))
+    /// Below G2: which keys G3 holds (one lock), the rest asked of G4;
+    /// for a leading read without G4, nothing past the first key no tier
+    /// holds.
+    fn plan(&mut self) {
+        let store = self.store;
+        let missing: Vec<usize> = (0..self.keys.len())
+            .filter(|&i| !self.out[i].is_hit())
             .collect();
-        let missing_keys: Vec<BlockKey> = missing.iter().map(|&i| keys[i]).collect();
-        let in_g3 = match self.disk() {
+        let missing_keys: Vec<BlockKey> = missing.iter().map(|&i| self.keys[i]).collect();
+        let in_g3 = match store.disk() {
             Some(d) => d.contains_many(&missing_keys),
             None => vec![false; missing.len()],
         };
-        let remote = self.remote();
-        let (mut from_g3, mut from_g4) = (Vec::new(), Vec::new());
-        let has_g3 = self.disk().is_some();
+        let has_g4 = store.remote().is_some();
         for (&i, held) in missing.iter().zip(in_g3) {
             if held {
-                from_g3.push(i);
+                self.from_g3.push(i);
                 continue;
             }
-            if has_g3 {
-                inner.metrics.g3.misses.inc();
+            if store.disk().is_some() {
+                store.inner.metrics.g3.misses.inc();
             }
-            if remote.is_some() {
-                from_g4.push(i);
-            } else if leading {
+            if has_g4 {
+                self.from_g4.push(i);
+            } else if self.leading {
                 // No tier holds it: the prefix ends here.
                 break;
             }
         }
-        let g3_keys: Vec<BlockKey> = from_g3.iter().map(|&i| keys[i]).collect();
-        let g4_keys: Vec<BlockKey> = from_g4.iter().map(|&i| keys[i]).collect();
-        // The leading run of keys some tier holds, `in_g4` telling which
-        // of `from_g4` were found there.
-        let planned = |in_g4: &dyn Fn(usize) -> bool| -> Vec<Tier> {
-            let tier = |i: usize| {
-                if matches!(out[i], Found::Hit(_)) {
-                    Some(Tier::G2)
-                } else if from_g3.contains(&i) {
-                    Some(Tier::G3)
-                } else {
-                    from_g4
-                        .iter()
-                        .position(|&j| j == i)
-                        .is_some_and(in_g4)
-                        .then_some(Tier::G4)
-                }
-            };
-            (0..keys.len()).map_while(tier).collect()
-        };
-        // Known now unless G4 is asked: then once its GETs are answered.
-        // The sink hears it once the first G3 reads are in the kernel (or
-        // after the reads, when there were none): it wakes the engine's
-        // forward pass, which would otherwise start (and wake its pool's
-        // threads) while this thread still holds a core to issue them.
-        // Telling it after the reads are issued gave a lower concurrency-1
-        // TTFT of restored requests than telling it first, on a machine
-        // with few cores (docs/decisions.md).
-        let ask_g4 = remote.is_some() && !g4_keys.is_empty();
-        let mut tell_plan = sink.filter(|_| !ask_g4).map(|sink| {
-            let planned = &planned;
-            move || sink.planned(&planned(&|_| false))
-        });
-        let mut read_g3 = || match (self.disk(), sink) {
-            (Some(d), Some(sink)) if !g3_keys.is_empty() => {
-                let spans: Vec<Option<LayerSpans>> = from_g3.iter().map(|&i| spans_of(i)).collect();
-                let cuts: Vec<ReadCuts> = from_g3
+    }
+
+    /// The leading run of keys some tier holds, `in_g4(j)` telling whether
+    /// `from_g4[j]` was found there.
+    fn planned(&self, in_g4: &dyn Fn(usize) -> bool) -> Vec<Tier> {
+        let tier = |i: usize| {
+            if self.out[i].is_hit() {
+                Some(Tier::G2)
+            } else if self.from_g3.contains(&i) {
+                Some(Tier::G3)
+            } else {
+                self.from_g4
                     .iter()
-                    .zip(&spans)
-                    .map(|(&i, s)| ReadCuts {
-                        at: s.as_ref().map(LayerSpans::cuts).unwrap_or_default(),
-                        payload_len: layout_of(i).stored_payload_bytes() as usize,
-                    })
-                    .collect();
-                let landed = |j: usize, new: std::ops::Range<usize>, slot: &[u8]| {
-                    let (Some(&i), Some(spans), Some(cut)) =
-                        (from_g3.get(j), spans.get(j), cuts.get(j))
-                    else {
-                        return;
-                    };
-                    match spans {
-                        Some(spans) => spans.hand_over(sink, i, new, slot),
-                        None if new.end == cut.end() => {
-                            let len = cut.payload_len;
-                            if let Some(p) = slot.get(HEADER_BYTES..HEADER_BYTES + len) {
-                                sink.layers(i, 0..layers, p);
-                            }
-                        }
-                        None => {}
-                    }
-                };
-                let mut submitted = || {
-                    if let Some(tell) = tell_plan.take() {
-                        tell();
-                    }
-                };
-                d.read_in_parts(&g3_keys, &cuts, &landed, &mut submitted)
+                    .position(|&j| j == i)
+                    .is_some_and(in_g4)
+                    .then_some(Tier::G4)
             }
-            (Some(d), _) if !g3_keys.is_empty() => d.read_outcomes(&g3_keys),
-            _ => Vec::new(),
         };
-        let pace = sink.map_or(0.0, |s| s.yield_factor());
-        let read_g4 = || {
-            let got = match remote {
-                Some(r) if !g4_keys.is_empty() && leading && pace > 0.0 => {
-                    // One GET at a time, each block handed over as it
-                    // lands, then a pause (`LayerSink::yield_factor`).
-                    let mut got = Vec::with_capacity(g4_keys.len());
-                    for (j, (&i, key)) in from_g4.iter().zip(&g4_keys).enumerate() {
-                        let t = std::time::Instant::now();
-                        let mut one = r.get_leading(std::slice::from_ref(key));
-                        let fetched = one.pop().flatten();
-                        let hit = matches!(fetched, Some(Ok(_)));
-                        if let Some(Ok(buf)) = &fetched {
-                            whole(i, buf);
-                        }
-                        got.push(fetched);
-                        if !hit || j + 1 == g4_keys.len() {
-                            break;
-                        }
-                        pause(t.elapsed(), pace);
-                    }
-                    got.resize_with(g4_keys.len(), || None);
-                    if let Some(sink) = sink {
-                        let found = |j: usize| matches!(got.get(j), Some(Some(Ok(_))));
-                        sink.planned(&planned(&found));
-                    }
-                    return (got, None);
-                }
-                Some(r) if !g4_keys.is_empty() && leading => (r.get_leading(&g4_keys), None),
-                Some(r) if !g4_keys.is_empty() => r.get_many_reporting(&g4_keys),
-                _ => (Vec::new(), None),
+        (0..self.keys.len()).map_while(tier).collect()
+    }
+
+    /// Tells the sink the plan, once, when it is known without G4 (with G4,
+    /// [`read_g4`](Self::read_g4) tells it once the GETs are answered).
+    ///
+    /// The sink hears it once the first G3 reads are in the kernel (or
+    /// after the reads, when there were none): it wakes the engine's
+    /// forward pass, which would otherwise start (and wake its pool's
+    /// threads) while this thread still holds a core to issue them. Telling
+    /// it after the reads are issued gave a lower concurrency-1 TTFT of
+    /// restored requests than telling it first on a machine with few cores
+    /// (docs/decisions.md).
+    fn tell_plan(&self) {
+        let Some(sink) = self.sink else { return };
+        if self.from_g4.is_empty() && !self.told.swap(true, Ordering::Relaxed) {
+            sink.planned(&self.planned(&|_| false));
+        }
+    }
+
+    /// The G3 reads, all in flight at once; with a sink, each block's
+    /// layers handed over as their parts land.
+    fn read_g3(&self) -> Vec<(ReadOutcome, AlignedBuf)> {
+        let Some(d) = self.store.disk().filter(|_| !self.from_g3.is_empty()) else {
+            return Vec::new();
+        };
+        let keys: Vec<BlockKey> = self.from_g3.iter().map(|&i| self.keys[i]).collect();
+        let Some(sink) = self.sink else {
+            return d.read_outcomes(&keys);
+        };
+        let spans: Vec<Option<LayerSpans>> = self
+            .from_g3
+            .iter()
+            .map(|&i| LayerSpans::of(&self.layout_of(i)))
+            .collect();
+        let cuts: Vec<ReadCuts> = self
+            .from_g3
+            .iter()
+            .zip(&spans)
+            .map(|(&i, s)| ReadCuts {
+                at: s.as_ref().map(LayerSpans::cuts).unwrap_or_default(),
+                payload_len: self.layout_of(i).stored_payload_bytes() as usize,
+            })
+            .collect();
+        let landed = |j: usize, new: Range<usize>, slot: &[u8]| {
+            let (Some(&i), Some(spans), Some(cut)) =
+                (self.from_g3.get(j), spans.get(j), cuts.get(j))
+            else {
+                return;
             };
-            if let Some(sink) = sink
-                && ask_g4
-            {
-                let found = |j: usize| matches!(got.0.get(j), Some(Some(Ok(_))));
-                sink.planned(&planned(&found));
-                for (&i, g) in from_g4.iter().zip(&got.0) {
-                    if let Some(Ok(buf)) = g {
-                        whole(i, buf);
+            match spans {
+                Some(spans) => spans.hand_over(sink, i, new, slot),
+                None if new.end == cut.end() => {
+                    let len = cut.payload_len;
+                    if let Some(p) = slot.get(HEADER_BYTES..HEADER_BYTES + len) {
+                        sink.layers(i, self.all_layers(), p);
                     }
+                }
+                None => {}
+            }
+        };
+        d.read_in_parts(&keys, &cuts, &landed, &mut || self.tell_plan())
+    }
+
+    /// The G4 GETs (a prefix's stop after the first batch that missed);
+    /// with a sink, each hit handed over whole and the plan told once they
+    /// are answered.
+    fn read_g4(&self) -> Vec<BlockRead<AlignedBuf>> {
+        let Some(r) = self.store.remote().filter(|_| !self.from_g4.is_empty()) else {
+            return Vec::new();
+        };
+        let keys: Vec<BlockKey> = self.from_g4.iter().map(|&i| self.keys[i]).collect();
+        let pace = self.sink.map_or(0.0, |s| s.yield_factor());
+        let got = if self.leading && pace > 0.0 {
+            // One GET at a time, each block handed over as it lands, then
+            // a pause (`LayerSink::yield_factor`).
+            let mut got = Vec::with_capacity(keys.len());
+            for (j, (&i, key)) in self.from_g4.iter().zip(&keys).enumerate() {
+                let t = std::time::Instant::now();
+                let one = r
+                    .get_leading(std::slice::from_ref(key))
+                    .pop()
+                    .unwrap_or(BlockRead::Miss);
+                if let BlockRead::Hit(buf) = &one {
+                    self.hand_whole(i, buf);
+                }
+                let hit = one.is_hit();
+                got.push(one);
+                if !hit || j + 1 == keys.len() {
+                    break;
+                }
+                pause(t.elapsed(), pace);
+            }
+            got.resize_with(keys.len(), || BlockRead::Miss);
+            got
+        } else {
+            let got = if self.leading {
+                r.get_leading(&keys)
+            } else {
+                r.get_many(&keys)
+            };
+            for (&i, g) in self.from_g4.iter().zip(&got) {
+                if let BlockRead::Hit(buf) = g {
+                    self.hand_whole(i, buf);
                 }
             }
             got
         };
-        // Both tiers' reads in flight at once: G4 on a second thread (it
-        // mostly waits on the network), G3 here.
-        let (got_g3, got_g4) = if g3_keys.is_empty() || g4_keys.is_empty() {
-            (read_g3(), read_g4())
-        } else {
-            std::thread::scope(|s| {
-                let g4 = s.spawn(read_g4);
-                let g3 = read_g3();
-                (g3, g4.join().unwrap_or_default())
-            })
-        };
-        // Nothing went into the kernel (no G3 reads, or no slot to read).
-        if let Some(tell) = tell_plan.take() {
-            tell();
+        if let Some(sink) = self.sink {
+            let found = |j: usize| got.get(j).is_some_and(BlockRead::is_hit);
+            sink.planned(&self.planned(&found));
         }
+        got
+    }
 
-        let (got_g4, g4_failed) = got_g4;
+    /// What the G3 reads found: each hit checked for its rows and promoted
+    /// into G2 (as persisted); the blocks G2 evicts for them.
+    fn settle_g3(&mut self, got: Vec<(ReadOutcome, AlignedBuf)>) -> Vec<Evicted> {
+        let inner = &self.store.inner;
         let mut evicted = Vec::new();
-        for (&i, (outcome, buf)) in from_g3.iter().zip(got_g3) {
-            out[i] = match outcome {
-                ReadOutcome::Hit => match block(i, Tier::G3, Arc::new(buf)) {
+        for (&i, (outcome, buf)) in self.from_g3.iter().zip(got) {
+            let key = self.keys[i];
+            self.out[i] = match outcome.try_hit() {
+                Ok(()) => match self.hold(i, Tier::G3, Arc::new(buf)) {
                     Ok(b) => {
                         evicted.extend(inner.memory.insert(
                             inner.owner,
-                            keys[i],
+                            key,
                             b.buf.clone(),
                             true,
-                            i.checked_sub(1).map(|p| &keys[p]),
+                            i.checked_sub(1).map(|p| &self.keys[p]),
                         ));
-                        Found::Hit(b)
+                        BlockRead::Hit(b)
                     }
-                    Err(why) => {
-                        tracing::warn!("G3 block {} refused ({why}); deleting it", keys[i]);
-                        if let Some(d) = self.disk() {
-                            d.remove(&keys[i]);
+                    Err(reason) => {
+                        tracing::warn!("G3 block {key} refused ({reason}); deleting it");
+                        if let Some(d) = self.store.disk() {
+                            d.remove(&key);
                         }
-                        Found::Corrupt(format!("G3: {why}"))
+                        BlockRead::Corrupt(Refused {
+                            tier: Tier::G3,
+                            reason,
+                        })
                     }
                 },
-                ReadOutcome::Miss => Found::Miss,
-                ReadOutcome::Corrupt(e) => Found::Corrupt(format!("G3: {e}")),
-                ReadOutcome::Io(e) => Found::Failed(format!("G3 read: {e}")),
+                Err(other) => other,
             };
         }
-        for (j, (&i, got)) in from_g4.iter().zip(got_g4).enumerate() {
-            let unanswered = g4_failed.as_ref().filter(|(first, _)| j >= *first);
-            let found = match (got, unanswered) {
-                (None, Some((_, why))) => Found::Failed(why.clone()),
-                (got, _) => self.landed_g4(&keys[i], got, rows_of(i)),
-            };
-            if let Found::Hit(b) = &found {
-                // Not persisted locally: G3 gets it when G2 evicts it.
-                evicted.extend(inner.memory.insert(
-                    inner.owner,
-                    keys[i],
-                    b.buf.clone(),
-                    false,
-                    i.checked_sub(1).map(|p| &keys[p]),
-                ));
-            }
-            out[i] = found;
-        }
-        self.demote(evicted, false);
-        out
+        evicted
     }
 
-    /// A G4 result as a hit (holding `rows` token rows) or a miss,
-    /// counted; a value refused by the check is deleted from the pool so no
-    /// node reads it again.
-    fn landed_g4(&self, key: &BlockKey, got: Fetched, rows: u32) -> Found {
-        let g4 = &self.inner.metrics.g4;
-        let checked = got.map(|r| r.and_then(|buf| holding(*key, Tier::G4, Arc::new(buf), rows)));
-        match checked {
-            Some(Ok(b)) => {
-                g4.hits.inc();
-                Found::Hit(b)
-            }
-            Some(Err(why)) => {
-                tracing::warn!("G4 block {key} failed verification ({why}); deleting it");
-                g4.corrupt_blocks.inc();
-                g4.misses.inc();
-                if let Some(r) = self.remote() {
-                    r.delete(key);
+    /// What the G4 GETs found: each hit checked for its rows, counted and
+    /// promoted into G2 (not persisted locally: G3 gets it when G2 evicts
+    /// it); a refused value deleted from the pool so no node reads it
+    /// again. The blocks G2 evicts for them.
+    fn settle_g4(&mut self, got: Vec<BlockRead<AlignedBuf>>) -> Vec<Evicted> {
+        let inner = &self.store.inner;
+        let g4 = &inner.metrics.g4;
+        let mut evicted = Vec::new();
+        for (&i, got) in self.from_g4.iter().zip(got) {
+            let key = self.keys[i];
+            let checked = match got.try_hit() {
+                Ok(buf) => match self.hold(i, Tier::G4, Arc::new(buf)) {
+                    Ok(b) => BlockRead::Hit(b),
+                    Err(reason) => BlockRead::Corrupt(Refused {
+                        tier: Tier::G4,
+                        reason,
+                    }),
+                },
+                Err(other) => other,
+            };
+            self.out[i] = match checked {
+                BlockRead::Hit(b) => {
+                    g4.hits.inc();
+                    evicted.extend(inner.memory.insert(
+                        inner.owner,
+                        key,
+                        b.buf.clone(),
+                        false,
+                        i.checked_sub(1).map(|p| &self.keys[p]),
+                    ));
+                    BlockRead::Hit(b)
                 }
-                Found::Corrupt(format!("G4: {why}"))
-            }
-            None => {
-                g4.misses.inc();
-                Found::Miss
-            }
+                BlockRead::Corrupt(why) => {
+                    tracing::warn!(
+                        "G4 block {key} failed verification ({}); deleting it",
+                        why.reason
+                    );
+                    g4.corrupt_blocks.inc();
+                    g4.misses.inc();
+                    if let Some(r) = self.store.remote() {
+                        r.delete(&key);
+                    }
+                    BlockRead::Corrupt(why)
+                }
+                // A prefix read counts an unanswered key as a miss (its
+                // caller sees only the hits); any other read reports it.
+                BlockRead::Failed(_) | BlockRead::Miss if self.leading => {
+                    g4.misses.inc();
+                    BlockRead::Miss
+                }
+                BlockRead::Miss => {
+                    g4.misses.inc();
+                    BlockRead::Miss
+                }
+                BlockRead::Failed(why) => BlockRead::Failed(why),
+            };
         }
+        evicted
     }
 }
 
@@ -403,13 +505,14 @@ fn holding(
     tier: Tier,
     buf: Arc<AlignedBuf>,
     rows: u32,
-) -> Result<StoredBlock, String> {
-    match StoredBlock::of(key, tier, buf) {
-        Some(b) if b.rows() == rows => Ok(b),
-        Some(b) => Err(format!(
-            "holds {} token rows where {rows} were asked for",
-            b.rows()
-        )),
-        None => Err("its header does not decode".into()),
+) -> Result<StoredBlock, BlockError> {
+    let b = StoredBlock::of(key, tier, buf)?;
+    if b.rows() == rows {
+        Ok(b)
+    } else {
+        Err(BlockError::WrongRows {
+            held: b.rows(),
+            asked: rows,
+        })
     }
 }

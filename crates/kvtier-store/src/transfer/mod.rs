@@ -57,6 +57,7 @@ use crate::codec::CodecError;
 use crate::key::BlockKey;
 use crate::kv_layout::KvLayout;
 use crate::metrics::Tier;
+use crate::outcome::{BlockFailure, BlockRead, Refused};
 use crate::store::{StoreError, TieredStore};
 use layers::LayerProgress;
 
@@ -79,11 +80,12 @@ pub enum BlockResult {
     Miss,
     /// Loaded: a tier held it but it failed verification (so it was
     /// deleted there and not copied, though a layer-wise load may have
-    /// written layers of it as they landed); why.
-    Corrupt(String),
+    /// written layers of it as they landed); which tier, and why.
+    Corrupt(Refused),
     /// The read or the save failed (an I/O error, G4 unreachable, no
-    /// memory for the block); why. The caller's memory was not touched.
-    Error(String),
+    /// memory for the block, a value a codec cannot code); why. The
+    /// caller's memory was not touched.
+    Error(BlockFailure),
     /// Saved: stored in G2 and queued for G3 (and G4).
     Stored,
     /// Saved: the store already held it; nothing copied.
@@ -568,7 +570,6 @@ impl TieredStore {
         shared: &Shared,
         layerwise: bool,
     ) -> Vec<BlockResult> {
-        use crate::store::Found;
         let layout = self.layout();
         let sink = layerwise.then(|| layers::IntoRegions::new(layout, first, dests, shared));
         let sink = sink.as_ref().map(|s| s as &dyn crate::store::LayerSink);
@@ -587,19 +588,19 @@ impl TieredStore {
                     .is_none_or(|m| m.len() == layout.layers as usize);
                 match found {
                     _ if shared.is_cancelled() && untouched => BlockResult::Cancelled,
-                    Found::Hit(block) => {
+                    BlockRead::Hit(block) => {
                         let filled = match &missing {
                             Some(m) => layers::fill_missing(&layout, dest, m, block.payload()),
                             None => dest.fill_from(&layout, block.payload()),
                         };
                         match filled {
                             Ok(()) => BlockResult::Hit(block.tier),
-                            Err(e) => BlockResult::Error(e.to_string()),
+                            Err(e) => BlockResult::Error(BlockFailure::Block(e.into())),
                         }
                     }
-                    Found::Miss => BlockResult::Miss,
-                    Found::Corrupt(why) => BlockResult::Corrupt(why),
-                    Found::Failed(why) => BlockResult::Error(why),
+                    BlockRead::Miss => BlockResult::Miss,
+                    BlockRead::Corrupt(why) => BlockResult::Corrupt(why),
+                    BlockRead::Failed(why) => BlockResult::Error(why),
                 }
             })
             .collect()
@@ -626,9 +627,8 @@ impl TieredStore {
             } else if held {
                 BlockResult::Present
             } else {
-                let filled = self.new_block().and_then(|mut block| {
-                    src.copy_to(&layout, block.payload_mut())
-                        .map_err(|e| StoreError::Block(e.into()))?;
+                let filled = self.block_buf().and_then(|mut block| {
+                    src.copy_to(&layout, block.payload_mut())?;
                     Ok(block)
                 });
                 match filled {
@@ -637,7 +637,7 @@ impl TieredStore {
                         parents.push(parent);
                         BlockResult::Stored
                     }
-                    Err(e) => BlockResult::Error(e.to_string()),
+                    Err(e) => BlockResult::Error(BlockFailure::Block(e)),
                 }
             };
             results.push(r);
