@@ -90,7 +90,8 @@ pub enum Command {
     Config(ConfigArgs),
 
     /// Public KV-cache traces (Mooncake, RAGPulse, agentic sessions, a
-    /// generic JSONL) through kvtier's own tier policies: `stats` and `sim`.
+    /// generic JSONL): `stats` and `sim` through kvtier's own tier policies,
+    /// `replay` against live servers.
     #[command(subcommand)]
     Trace(crate::cmd_trace::TraceCommand),
 
