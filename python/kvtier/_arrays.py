@@ -84,7 +84,9 @@ def build(
     spans: Sequence[Span],
     framework: Literal["numpy", "pt"],
 ) -> dict[str, Any]:
-    """The tensors ``spans`` describes, as views of ``buffers``."""
+    """The tensors ``spans`` describes, as views of ``buffers``: numpy
+    arrays or torch tensors by ``framework`` (the public loaders' overloads
+    say which; torch is optional, so it is not named here)."""
     if framework == "numpy":
         for name, dtype, _shape, i, _start, _end in spans:
             if dtype not in _NUMPY:
@@ -175,6 +177,8 @@ def _from_numpy(name: str, arr: np.ndarray[Any, Any]) -> tuple[str, np.ndarray[A
 
 
 def _from_torch(name: str, t: Any, torch: Any) -> tuple[str, np.ndarray[Any, Any]]:
+    # torch is optional: the module and its tensor arrive untyped, taken
+    # from sys.modules only when the caller has imported torch.
     if t.device.type != "cpu":
         raise _invalid(name, f"it is on {t.device}; move it to the CPU first (tensor.cpu())")
     if t.layout != torch.strided or t.is_quantized:

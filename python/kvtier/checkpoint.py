@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+import numpy as np
 
 from . import _arrays, _kvtier
 from ._arrays import Framework
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class CheckpointInfo:
 
 
 def save_checkpoint(
+    # numpy arrays or torch tensors (torch is optional: not named here).
     tensors: Mapping[str, Any],
     dir: str | os.PathLike[str],
     *,
@@ -95,12 +101,20 @@ def save_checkpoint(
     )
 
 
+@overload
+def load_checkpoint(
+    dir: str | os.PathLike[str], framework: Literal["numpy", "np"] = "numpy", *, verify: bool = True
+) -> dict[str, np.ndarray[Any, Any]]: ...
+@overload
+def load_checkpoint(
+    dir: str | os.PathLike[str], framework: Literal["pt", "torch"], *, verify: bool = True
+) -> dict[str, torch.Tensor]: ...
 def load_checkpoint(
     dir: str | os.PathLike[str],
     framework: Framework = "numpy",
     *,
     verify: bool = True,
-) -> dict[str, Any]:
+) -> dict[str, np.ndarray[Any, Any]] | dict[str, torch.Tensor]:
     """Load the committed checkpoint in ``dir``, every tensor verified.
 
     Reads ``manifest.json``, checks each shard file's length and header

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+import numpy as np
 
 from . import _arrays, _kvtier
 from ._arrays import Framework
 
+if TYPE_CHECKING:
+    import torch
 
-def load_safetensors(path: str | os.PathLike[str], framework: Framework = "numpy") -> dict[str, Any]:
+
+@overload
+def load_safetensors(
+    path: str | os.PathLike[str], framework: Literal["numpy", "np"] = "numpy"
+) -> dict[str, np.ndarray[Any, Any]]: ...
+@overload
+def load_safetensors(path: str | os.PathLike[str], framework: Literal["pt", "torch"]) -> dict[str, torch.Tensor]: ...
+def load_safetensors(
+    path: str | os.PathLike[str], framework: Framework = "numpy"
+) -> dict[str, np.ndarray[Any, Any]] | dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file or of a model directory.
 
     ``path`` is a ``.safetensors`` file, or a directory holding a sharded

@@ -46,6 +46,10 @@ BlockHash = bytes | bytearray | memoryview | int
 #: A piece of memory: ``(payload offset, address, length)``.
 _Piece = tuple[int, int, int]
 
+#: Memory the caller owns: a C-contiguous numpy array or CPU torch tensor,
+#: told apart at run time (torch is optional, so it is not named here).
+_Memory = Any
+
 
 def _hash_bytes(h: BlockHash) -> bytes:
     if isinstance(h, bytes):
@@ -64,7 +68,7 @@ def _hashes(keys: Sequence[BlockHash]) -> list[bytes]:
     return [_hash_bytes(k) for k in keys]
 
 
-def _memory(a: Any, writable: bool) -> tuple[int, int]:
+def _memory(a: _Memory, writable: bool) -> tuple[int, int]:
     """``(address, bytes)`` of a C-contiguous numpy array or CPU torch
     tensor; raises ``ValueError``/``TypeError`` for anything else."""
     mod = type(a).__module__
@@ -116,7 +120,7 @@ class Namespace:
         """How many leading blocks of ``keys`` the store holds, in any tier."""
         return self._ns.lookup(_hashes(keys))
 
-    def _pieces(self, blocks: Sequence[Any], writable: bool) -> list[list[_Piece]]:
+    def _pieces(self, blocks: Sequence[_Memory], writable: bool) -> list[list[_Piece]]:
         regions = self.layout.regions()
         payload = self.layout.payload_bytes
         out: list[list[_Piece]] = []
@@ -142,7 +146,7 @@ class Namespace:
             out.append(block)
         return out
 
-    def load(self, keys: Sequence[BlockHash], dests: Sequence[Any], layerwise: bool = False) -> Transfer:
+    def load(self, keys: Sequence[BlockHash], dests: Sequence[_Memory], layerwise: bool = False) -> Transfer:
         """Starts loading the blocks of ``keys`` into ``dests``: per key one
         array of the whole payload, or a list of arrays, one per region of
         :meth:`Layout.regions` in order. Returns at once.
@@ -158,7 +162,7 @@ class Namespace:
             raise ValueError(f"{len(keys)} keys but {len(dests)} destinations")
         return self._ns._load(keys, self._pieces(dests, True), list(dests), layerwise)
 
-    def save(self, keys: Sequence[BlockHash], srcs: Sequence[Any]) -> Transfer:
+    def save(self, keys: Sequence[BlockHash], srcs: Sequence[_Memory]) -> Transfer:
         """Starts saving ``srcs`` (as ``dests`` of :meth:`load`) as the
         blocks of ``keys``. Returns at once; the memory may be reused once
         the transfer is done."""
@@ -167,7 +171,7 @@ class Namespace:
             raise ValueError(f"{len(keys)} keys but {len(srcs)} sources")
         return self._ns._save(keys, self._pieces(srcs, False), list(srcs))
 
-    def _pages(self, layers: Sequence[Any], block_ids: Sequence[int], writable: bool) -> list[list[_Piece]]:
+    def _pages(self, layers: Sequence[_Memory], block_ids: Sequence[int], writable: bool) -> list[list[_Piece]]:
         layout = self.layout
         if layout.arrangement == "kv-major":
             raise ValueError("pages need a layout whose layers are contiguous (not kv-major)")
@@ -195,7 +199,7 @@ class Namespace:
     def load_pages(
         self,
         keys: Sequence[BlockHash],
-        layers: Sequence[Any],
+        layers: Sequence[_Memory],
         block_ids: Sequence[int],
         layerwise: bool = False,
     ) -> Transfer:
@@ -208,7 +212,7 @@ class Namespace:
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
         return self._ns._load(keys, self._pages(layers, block_ids, True), list(layers), layerwise)
 
-    def save_pages(self, keys: Sequence[BlockHash], layers: Sequence[Any], block_ids: Sequence[int]) -> Transfer:
+    def save_pages(self, keys: Sequence[BlockHash], layers: Sequence[_Memory], block_ids: Sequence[int]) -> Transfer:
         """Starts saving page ``block_ids[i]`` of every layer tensor as the
         block ``keys[i]`` (as :meth:`load_pages`). Returns at once."""
         keys = _hashes(keys)

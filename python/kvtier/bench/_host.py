@@ -26,8 +26,8 @@ def drop_page_cache(files: Iterable[str]) -> bool:
         finally:
             os.close(fd)
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+        with open("/proc/sys/vm/drop_caches", "w") as drop:
+            drop.write("3\n")
         return True
     except OSError:
         return False

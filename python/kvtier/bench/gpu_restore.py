@@ -30,9 +30,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ._host import drop_page_cache, median
+
+if TYPE_CHECKING:
+    import torch
 
 #: Blocks per load of the kvtier side (a pinned buffer each).
 CHUNK_BLOCKS = 64
@@ -50,7 +53,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _sync(device: Any) -> None:
+def _sync(device: torch.device) -> None:
     import torch
 
     if device.type == "cuda":
@@ -72,8 +75,8 @@ class Bench:
         self.layout = kvtier.Layout.vllm_cpu(
             args.layers, args.kv_heads, args.head_size, block_tokens=args.block_tokens, dtype="bf16"
         )
-        self.blocks = max(1, args.total_bytes // (self.layout.layer_bytes * args.layers))
-        self.bytes = self.blocks * self.layout.layer_bytes * args.layers
+        self.blocks: int = max(1, args.total_bytes // (self.layout.layer_bytes * args.layers))
+        self.bytes: int = self.blocks * self.layout.layer_bytes * args.layers
         shape = (self.blocks, args.kv_heads, args.block_tokens, 2 * args.head_size)
         g = torch.Generator(device=self.device).manual_seed(1)
         self.src = [torch.randn(shape, generator=g, device=self.device).to(torch.bfloat16) for _ in range(args.layers)]

@@ -22,9 +22,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._host import drop_page_cache, ensure_installed, median
+
+if TYPE_CHECKING:
+    import torch
 
 #: Loader name -> (module to import, pip requirement); kvtier is this package.
 CONTENDERS: dict[str, tuple[str, str] | None] = {
@@ -53,19 +56,19 @@ def shard_files(d: Path) -> list[str]:
     return files
 
 
-def _touch(t: Any) -> int:
+def _touch(t: torch.Tensor) -> int:
     flat = t.reshape(-1).view(dtype=__import__("torch").uint8)
     if flat.numel() == 0:
         return 0
     return int(flat[::4096].sum()) + int(flat[-1])
 
 
-def _load(loader: str, files: list[str]) -> tuple[list[Any], int, int]:
+def _load(loader: str, files: list[str]) -> tuple[list[object], int, int]:
     """Loads every tensor of ``files``; returns (what keeps them alive, bytes, touched sum)."""
-    keep: list[Any] = []
+    keep: list[object] = []
     nbytes = acc = 0
 
-    def take(t: Any) -> None:
+    def take(t: torch.Tensor) -> None:
         nonlocal nbytes, acc
         nbytes += t.numel() * t.element_size()
         acc += _touch(t)
@@ -178,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"round {r + 1}: {n:16s} {g:6.2f} GB/s   (device limit {gbps:.2f})", file=sys.stderr)
     limit = median(limits)
-    report = {
+    # The JSON report: values of several types.
+    report: dict[str, Any] = {
         "device_limit_gbps": limit,
         "loaders": [
             {

@@ -29,9 +29,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._host import drop_page_cache, median
+
+if TYPE_CHECKING:
+    from kvtier import Layout
 
 # One vLLM CPU page per block: 16 layers, 2 KV heads of 64, f32; tokens per
 # block are chosen so the slot (header + payload, 4 KiB-aligned) fits
@@ -49,7 +52,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _layout(block_bytes: int) -> Any:
+def _layout(block_bytes: int) -> Layout:
     import kvtier
 
     per_token = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
@@ -72,7 +75,7 @@ class PythonSide:
     namespace and flushed to G3; each :meth:`round` empties G2, drops the
     page cache and loads every block into per-layer torch tensors."""
 
-    def __init__(self, root: Path, layout: Any, blocks: int) -> None:
+    def __init__(self, root: Path, layout: Layout, blocks: int) -> None:
         import torch
 
         import kvtier

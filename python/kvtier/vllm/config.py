@@ -69,8 +69,10 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], check_keys: bool = True) -> ConnectorConfig:
-        """Reads ``kv_connector_extra_config``; with ``check_keys``, a key
-        that is not a field is a ``ValueError`` naming the known ones."""
+        """Reads ``kv_connector_extra_config`` (JSON from vLLM's command
+        line, so its values are of any type until read here); with
+        ``check_keys``, a key that is not a field is a ``ValueError`` naming
+        the known ones."""
         if check_keys:
             unknown = set(extra) - KNOWN_KEYS
             if unknown:

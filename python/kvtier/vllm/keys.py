@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,7 +29,7 @@ def model_fingerprint(model: str, revision: str | None = None, quantization: str
     by default: its name, revision and quantization and, for a local
     directory, a hash of its config.json and the names and sizes of its
     weight files."""
-    parts: dict[str, Any] = {"model": str(model), "revision": str(revision), "quantization": str(quantization)}
+    parts: dict[str, object] = {"model": str(model), "revision": str(revision), "quantization": str(quantization)}
     root = Path(str(model))
     if root.is_dir():
         config = root / "config.json"

@@ -52,8 +52,8 @@ class KvtierConnectorStats(KVConnectorStats):
         self.data["save_s"] += seconds
 
     def reset(self) -> None:
-        # Counts and seconds (floats) side by side.
-        fresh: dict[str, Any] = dict.fromkeys(STAT_KEYS, 0)
+        # Counts and seconds side by side.
+        fresh: dict[str, int | float] = dict.fromkeys(STAT_KEYS, 0)
         self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -83,6 +83,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # vLLM's counter children (prometheus_client's, through vLLM's
+        # wrapper class): untyped here, as vLLM is.
         self._counters: dict[str, dict[int, Any]] = {}
         for key, doc in (
             ("blocks_loaded", "KV blocks restored from kvtier"),
