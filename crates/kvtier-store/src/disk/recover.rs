@@ -28,10 +28,7 @@ impl DiskTier {
         );
         let dir = self.dirs[0].clone();
         let loaded = match resized {
-            Some(p) => Err(format!(
-                "segment {} was shorter than its slots (new, or truncated)",
-                p.display()
-            )),
+            Some(p) => Err(saved_index::Unusable::Resized(p)),
             None => saved_index::load(&dir, shape),
         };
         let epoch = match loaded {
@@ -50,7 +47,9 @@ impl DiskTier {
                     tracing::warn!("G3 saved index not used ({why}); scanning every slot");
                 }
                 self.rebuild_index()?;
-                self.recovery = Recovery::Scanned { why };
+                self.recovery = Recovery::Scanned {
+                    why: why.to_string(),
+                };
                 0
             }
         };

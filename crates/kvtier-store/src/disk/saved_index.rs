@@ -107,23 +107,23 @@ impl Shape {
     }
 
     /// Checks a header; returns (epoch, entries).
-    fn check_header(&self, magic: &[u8; 4], h: &[u8]) -> Result<(u64, u64), String> {
+    fn check_header(&self, magic: &[u8; 4], h: &[u8]) -> Result<(u64, u64), Fault> {
         if h.len() < HEADER_BYTES {
-            return Err("shorter than its header".into());
+            return Err(Fault::ShortHeader);
         }
         if &h[0..4] != magic {
-            return Err("bad magic".into());
+            return Err(Fault::BadMagic);
         }
         if crc32c::crc32c(&h[..60]) != u32_at(h, 60) {
-            return Err("header checksum mismatch".into());
+            return Err(Fault::HeaderChecksum);
         }
         if u16::from_le_bytes([h[4], h[5]]) != VERSION {
-            return Err("unknown version".into());
+            return Err(Fault::UnknownVersion);
         }
         let epoch = u64_at(h, 8);
         let entries = u64_at(h, 40);
         if *self != self.with_header_fields(h) {
-            return Err("written for another capacity, slot size or directory list".into());
+            return Err(Fault::OtherShape);
         }
         Ok((epoch, entries))
     }
@@ -227,15 +227,15 @@ fn journal_epochs(dir: &Path) -> io::Result<Vec<u64>> {
 }
 
 /// Reads a file of kvtier's that must be regular and at most `max` bytes.
-fn read_regular(path: &Path, max: u64) -> Result<Vec<u8>, String> {
-    let meta = std::fs::symlink_metadata(path).map_err(|e| e.to_string())?;
+fn read_regular(path: &Path, max: u64) -> Result<Vec<u8>, Fault> {
+    let meta = std::fs::symlink_metadata(path)?;
     if !meta.file_type().is_file() {
-        return Err("not a regular file".into());
+        return Err(Fault::NotRegular);
     }
     if meta.len() > max {
-        return Err(format!("{} bytes, more than its shape allows", meta.len()));
+        return Err(Fault::TooLong(meta.len()));
     }
-    std::fs::read(path).map_err(|e| e.to_string())
+    Ok(std::fs::read(path)?)
 }
 
 /// Slot -> key and key -> slot while the files are replayed.
@@ -245,15 +245,15 @@ struct Table {
 }
 
 impl Table {
-    fn slot(&mut self, slot: u32) -> Result<&mut Option<BlockKey>, String> {
+    fn slot(&mut self, slot: u32) -> Result<&mut Option<BlockKey>, Fault> {
         let total = self.held.len();
         self.held
             .get_mut(slot as usize)
-            .ok_or_else(|| format!("slot {slot} is past the tier's {total} slots"))
+            .ok_or(Fault::SlotPast { slot, total })
     }
 
     /// `slot` holds nothing.
-    fn clear(&mut self, slot: u32) -> Result<(), String> {
+    fn clear(&mut self, slot: u32) -> Result<(), Fault> {
         if let Some(old) = self.slot(slot)?.take() {
             self.at.remove(&old);
         }
@@ -262,7 +262,7 @@ impl Table {
 
     /// `slot` holds `key`; one slot per key, the later write winning (an
     /// earlier copy was dropped from the index without being wiped).
-    fn put(&mut self, slot: u32, key: BlockKey) -> Result<(), String> {
+    fn put(&mut self, slot: u32, key: BlockKey) -> Result<(), Fault> {
         self.clear(slot)?;
         if let Some(prev) = self.at.insert(key, slot) {
             self.held[prev as usize] = None;
@@ -272,29 +272,89 @@ impl Table {
     }
 }
 
+/// Why the saved index cannot be used: the tier then scans every slot.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Unusable {
+    /// A segment file was created or extended at this open.
+    #[error("segment {0} was shorter than its slots (new, or truncated)")]
+    Resized(PathBuf),
+    /// An index file is missing, unreadable or not what it should be.
+    #[error("{path}: {fault}")]
+    File {
+        /// The checkpoint, a journal, or the directory holding them.
+        path: PathBuf,
+        /// What is wrong with it.
+        fault: Fault,
+    },
+}
+
+/// What is wrong with one index file.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Fault {
+    /// It could not be read.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    /// A directory, FIFO, device or link where a file should be.
+    #[error("not a regular file")]
+    NotRegular,
+    /// Longer than any index of this tier's shape.
+    #[error("{0} bytes, more than its shape allows")]
+    TooLong(u64),
+    /// It ends inside its header.
+    #[error("shorter than its header")]
+    ShortHeader,
+    /// Not an index file of kvtier's.
+    #[error("bad magic")]
+    BadMagic,
+    /// The header's checksum does not match.
+    #[error("header checksum mismatch")]
+    HeaderChecksum,
+    /// A format version this reader does not know.
+    #[error("unknown version")]
+    UnknownVersion,
+    /// Written by a tier of another shape.
+    #[error("written for another capacity, slot size or directory list")]
+    OtherShape,
+    /// Its length does not match its entries.
+    #[error("torn (length does not match its entries)")]
+    Torn,
+    /// The entries' checksum does not match.
+    #[error("entries checksum mismatch")]
+    EntriesChecksum,
+    /// An entry names a slot the tier does not have.
+    #[error("slot {slot} is past the tier's {total} slots")]
+    SlotPast {
+        /// The slot named.
+        slot: u32,
+        /// The tier's slots.
+        total: usize,
+    },
+    /// A journal whose header names another epoch than its file name.
+    #[error("its header says epoch {0}")]
+    WrongEpoch(u64),
+}
+
 /// Reads the checkpoint and its journals in `dir`. `Err` says why the
 /// caller must scan every slot instead.
-pub(super) fn load(dir: &Path, shape: Shape) -> Result<Loaded, String> {
+pub(super) fn load(dir: &Path, shape: Shape) -> Result<Loaded, Unusable> {
     let path = dir.join(INDEX_FILE);
+    let at = |path: &Path| {
+        let path = path.to_path_buf();
+        move |fault: Fault| Unusable::File { path, fault }
+    };
     let max = (HEADER_BYTES + 4) as u64 + u64::from(shape.total) * ENTRY_BYTES as u64;
-    let bytes = read_regular(&path, max).map_err(|e| format!("{}: {e}", path.display()))?;
-    let (epoch, n) = shape
-        .check_header(INDEX_MAGIC, &bytes)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let bytes = read_regular(&path, max).map_err(at(&path))?;
+    let (epoch, n) = shape.check_header(INDEX_MAGIC, &bytes).map_err(at(&path))?;
     let body_end = usize::try_from(n)
         .ok()
         .and_then(|n| n.checked_mul(ENTRY_BYTES))
         .and_then(|b| b.checked_add(HEADER_BYTES))
         .filter(|&end| end + 4 == bytes.len())
-        .ok_or_else(|| {
-            format!(
-                "{}: torn (length does not match its entries)",
-                path.display()
-            )
-        })?;
+        .ok_or(Fault::Torn)
+        .map_err(at(&path))?;
     let body = &bytes[HEADER_BYTES..body_end];
     if crc32c::crc32c(body) != u32_at(&bytes, body_end) {
-        return Err(format!("{}: entries checksum mismatch", path.display()));
+        return Err(at(&path)(Fault::EntriesChecksum));
     }
     let mut table = Table {
         held: vec![None; shape.total as usize],
@@ -303,26 +363,20 @@ pub(super) fn load(dir: &Path, shape: Shape) -> Result<Loaded, String> {
     for e in body.chunks_exact(ENTRY_BYTES) {
         let mut key = [0u8; 16];
         key.copy_from_slice(&e[4..20]);
-        table
-            .put(u32_at(e, 0), BlockKey(key))
-            .map_err(|m| format!("{}: {m}", path.display()))?;
+        table.put(u32_at(e, 0), BlockKey(key)).map_err(at(&path))?;
     }
     let mut newest = epoch;
     let mut replayed = 0u64;
-    let epochs = journal_epochs(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let epochs = journal_epochs(dir).map_err(|e| at(dir)(e.into()))?;
     for j in epochs.into_iter().filter(|&j| j >= epoch) {
         let jpath = dir.join(journal_name(j));
         // Bounded: a journal past a few GiB is not one of ours.
-        let bytes =
-            read_regular(&jpath, 4 << 30).map_err(|e| format!("{}: {e}", jpath.display()))?;
+        let bytes = read_regular(&jpath, 4 << 30).map_err(at(&jpath))?;
         let (jepoch, _) = shape
             .check_header(JOURNAL_MAGIC, &bytes)
-            .map_err(|e| format!("{}: {e}", jpath.display()))?;
+            .map_err(at(&jpath))?;
         if jepoch != j {
-            return Err(format!(
-                "{}: its header says epoch {jepoch}",
-                jpath.display()
-            ));
+            return Err(at(&jpath)(Fault::WrongEpoch(jepoch)));
         }
         newest = newest.max(j);
         for r in bytes[HEADER_BYTES..].chunks(RECORD_BYTES) {
@@ -334,7 +388,7 @@ pub(super) fn load(dir: &Path, shape: Shape) -> Result<Loaded, String> {
                 Change::Take(s) | Change::Free(s) => table.clear(s),
                 Change::Put(s, k) => table.put(s, k),
             }
-            .map_err(|m| format!("{}: {m}", jpath.display()))?;
+            .map_err(at(&jpath))?;
             replayed += 1;
         }
     }
@@ -548,20 +602,29 @@ mod tests {
         assert_eq!(l.entries, vec![(0, k(1)), (2, k(2))]);
 
         let other = Shape::new(8, 8192, 4, &[PathBuf::from("/b")]);
-        assert!(
-            load(dir.path(), other)
-                .unwrap_err()
-                .contains("directory list")
-        );
+        let fault = |e: Unusable| match e {
+            Unusable::File { fault, .. } => fault,
+            other => panic!("{other}"),
+        };
+        assert!(matches!(
+            fault(load(dir.path(), other).unwrap_err()),
+            Fault::OtherShape
+        ));
         let ipath = dir.path().join(INDEX_FILE);
         let mut bytes = std::fs::read(&ipath).unwrap();
         let last = bytes.len() - 5;
         bytes[last] ^= 1;
         std::fs::write(&ipath, &bytes).unwrap();
-        assert!(load(dir.path(), shape()).unwrap_err().contains("checksum"));
+        assert!(matches!(
+            fault(load(dir.path(), shape()).unwrap_err()),
+            Fault::EntriesChecksum
+        ));
         bytes.truncate(bytes.len() - 3);
         std::fs::write(&ipath, &bytes).unwrap();
-        assert!(load(dir.path(), shape()).unwrap_err().contains("torn"));
+        assert!(matches!(
+            fault(load(dir.path(), shape()).unwrap_err()),
+            Fault::Torn
+        ));
         std::fs::remove_file(&ipath).unwrap();
         assert!(load(dir.path(), shape()).is_err());
     }
