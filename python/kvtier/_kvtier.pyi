@@ -2,15 +2,31 @@
 functions of the ``kvtier`` package)."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, final
 
 import numpy as np
+from typing_extensions import Self
+
+__all__ = [
+    "__version__",
+    "HostBuffer",
+    "load_safetensors",
+    "save_checkpoint",
+    "load_checkpoint",
+    "device_read_gbps",
+    "Store",
+    "Namespace",
+    "Layout",
+    "Transfer",
+    "BlockResult",
+]
 
 __version__: str
 
 # (name, safetensors dtype, shape, buffer index, start, end)
 _Span = tuple[str, str, list[int], int, int, int]
 
+@final
 class HostBuffer:
     """One loaded file's bytes, viewed by arrays through numpy's array
     interface; freed when the last view is gone."""
@@ -40,18 +56,17 @@ def save_checkpoint(
     """Save C-contiguous little-endian arrays as a checkpoint generation;
     see ``kvtier.save_checkpoint``."""
 
-def load_checkpoint(
-    dir: str, verify: bool = True
-) -> tuple[list[HostBuffer], list[_Span], int, dict[str, str]]:
+def load_checkpoint(dir: str, verify: bool = True) -> tuple[list[HostBuffer], list[_Span], int, dict[str, str]]:
     """Load a committed checkpoint; see ``kvtier.load_checkpoint``."""
 
 # The KV store (see kvtier.store for the public wrappers).
 
+@final
 class Layout:
     """The shape of one KV block (see ``kvtier.store``)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         layers: int,
         kv_heads: int,
         head_dim: int,
@@ -61,7 +76,7 @@ class Layout:
         tp_rank: int = 0,
         tp_world: int = 1,
         codec: str = "none",
-    ) -> None: ...
+    ) -> Self: ...
     @staticmethod
     def vllm_cpu(
         layers: int,
@@ -114,6 +129,7 @@ class Layout:
     def regions(self) -> list[tuple[int, int]]:
         """Payload ranges of a block's regions, in payload order."""
 
+@final
 class BlockResult:
     """What a load or save did with one block; equal to its status string."""
 
@@ -126,11 +142,18 @@ class BlockResult:
         """For a hit: ``g2``, ``g3`` or ``g4``."""
     @property
     def reason(self) -> str | None:
-        """For ``corrupt`` and ``error``: why."""
+        """For ``corrupt`` and ``error``: why (a message naming the tier)."""
+    @property
+    def cause(self) -> str | None:
+        """For ``corrupt``: what the block's check found
+        (``payload_checksum``, ``header_checksum``, ``key_mismatch``,
+        ``wrong_rows``, ...); for ``error``: ``disk``, ``pool`` or
+        ``block``."""
     @property
     def ok(self) -> bool:
         """True for ``hit``, ``stored`` and ``present``."""
 
+@final
 class Transfer:
     """A load or save in progress; holds its arrays until finished."""
 
@@ -149,6 +172,7 @@ class Transfer:
         """Blocks not yet copied report ``cancelled``; their memory is not
         touched."""
 
+@final
 class Namespace:
     """One model and layout of a store (internal; see ``kvtier.Namespace``)."""
 
@@ -166,9 +190,7 @@ class Namespace:
         keep: Any,
         layerwise: bool = False,
     ) -> Transfer: ...
-    def _save(
-        self, hashes: list[bytes], pieces: list[list[tuple[int, int, int]]], keep: Any
-    ) -> Transfer: ...
+    def _save(self, hashes: list[bytes], pieces: list[list[tuple[int, int, int]]], keep: Any) -> Transfer: ...
     def flush(self) -> None: ...
     def evict_memory(self) -> None: ...
     def locate(self, hash: bytes) -> tuple[str, int] | None: ...
@@ -176,23 +198,24 @@ class Namespace:
     def metrics_text(self) -> str: ...
     def stats(self) -> dict[str, int]: ...
 
+@final
 class Store:
     """The native store (internal; see ``kvtier.Store``)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         cache_dir: str,
         g2_bytes: int = ...,
         g3_bytes: int = ...,
         remote: str | None = None,
         g3_sync_ms: int = ...,
         eviction: str = ...,
-    ) -> None: ...
+    ) -> Self: ...
     def namespace(
         self,
         layout: Layout,
         fingerprint: bytes | str,
-        salt: bytes = b"",
+        salt: bytes = ...,
         name: str | None = None,
         warm_read_buffers: bool = False,
     ) -> Namespace: ...
