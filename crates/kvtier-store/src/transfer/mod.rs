@@ -56,10 +56,10 @@ use parking_lot::{Condvar, Mutex};
 use crate::codec::CodecError;
 use crate::key::BlockKey;
 use crate::kv_layout::KvLayout;
+use crate::layer_progress::LayerProgress;
 use crate::metrics::Tier;
 use crate::outcome::{BlockFailure, BlockRead, Refused};
 use crate::store::{StoreError, TieredStore};
-use layers::LayerProgress;
 
 /// Bytes of blocks per unit of work on a store thread.
 pub const CHUNK_BYTES: u64 = 64 << 20;
