@@ -35,7 +35,7 @@ def store_round_trip(root: Path) -> None:
     dst = [np.zeros_like(t) for t in src]
     got = ns.load(keys, [regions(dst, b) for b in range(blocks)]).wait()
     assert all(r == "hit" and r.tier == "g3" for r in got), got
-    for a, b in zip(src, dst):
+    for a, b in zip(src, dst, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
