@@ -1,16 +1,30 @@
 //! kvtier-store: the tiered KV block store.
 //!
 //! Knows nothing about models: it stores fixed-size KV blocks named by
-//! chained prefix hashes ([`key`]), in a versioned, checksummed format
-//! ([`block`], its payload optionally coded to fewer bytes: [`codec`])
-//! that every tier checks the same way ([`verify`]), across G2
-//! host memory ([`memory`]), G3 disk ([`disk`]) and a G4 shared pool
-//! ([`remote`]: Redis/Valkey, S3), with eviction policies ([`eviction`])
-//! and an admission filter ([`admission`]). [`TieredStore`] ([`store`]) is
-//! the facade callers use; [`Handle`] is how its background reads report.
-//! Engines that own their KV memory load and save through [`transfer`]
-//! ([`TieredStore::load`], [`TieredStore::save`]: regions of the caller's
-//! memory, a [`Transfer`] handle, a [`BlockResult`] per block).
+//! chained prefix hashes, in a versioned, checksummed format that every
+//! tier checks the same way, across G2 host memory, G3 disk and a G4 shared
+//! pool. [`TieredStore`] is the facade callers use.
+//!
+//! What lives where:
+//!
+//! * Blocks: [`key`] (chained prefix hashes, model fingerprints),
+//!   [`kv_layout`] (the shape of one block, TP shards), [`block`] (the
+//!   on-disk and on-wire format), [`codec`] (payloads coded to fewer bytes;
+//!   `codec_stream` codes while copying), [`verify`] (the one check every
+//!   tier runs).
+//! * Tiers: [`memory`] (G2), [`disk`] (G3: slots, direct I/O, the saved
+//!   index), [`remote`] (G4: Redis/Valkey, Cluster, S3, a circuit
+//!   breaker), [`eviction`] (the policies G2 and G3 run), [`admission`] (the
+//!   second-sighting filter).
+//! * The store: [`store`] ([`TieredStore`]: puts, write-back, reads through
+//!   the tiers in steps, layer-wise reads), [`outcome`] (what a block's
+//!   read found, one type at every level), `handle` (background
+//!   reads, [`Handle`]), `workers` (the store's threads).
+//! * Engines that own their KV memory: [`transfer`] ([`TieredStore::load`],
+//!   [`TieredStore::save`]: regions of the caller's memory, a [`Transfer`]
+//!   handle, a [`BlockResult`] per block), [`layer_progress`] (which layers
+//!   of a layer-wise read are in; shared with the engine's restore).
+//! * [`metrics`]: the store's Prometheus counters, per tier.
 
 pub mod admission;
 pub mod block;

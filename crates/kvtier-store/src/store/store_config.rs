@@ -15,7 +15,7 @@ use crate::remote::RemoteConfig;
 /// write, not a write per block.
 pub const DEFAULT_G3_SYNC: std::time::Duration = std::time::Duration::from_millis(1000);
 
-/// Configuration of a [`TieredStore`].
+/// Configuration of a [`TieredStore`](super::TieredStore).
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     /// Layout of every block (fixes the block and slot size).
@@ -53,7 +53,7 @@ pub struct StoreConfig {
     /// plus the reads in flight), so a restore reads into resident memory
     /// instead of faulting fresh pages in on the cores others compute on
     /// (`warm_buffers.rs`); each buffer is usable as soon as it is warm,
-    /// and [`TieredStore::wait_read_buffers_warm`] waits for the last.
+    /// and [`TieredStore::wait_read_buffers_warm`](super::TieredStore::wait_read_buffers_warm) waits for the last.
     /// Commits the G2 budget's memory at open (a shared G2's whole budget
     /// for each store that asks: turn it on for one). Default false; the
     /// engine turns it on.
