@@ -24,7 +24,9 @@
 //!   [`TieredStore::save`]: regions of the caller's memory, a [`Transfer`]
 //!   handle, a [`BlockResult`] per block), [`layer_progress`] (which layers
 //!   of a layer-wise read are in; shared with the engine's restore).
-//! * [`metrics`]: the store's Prometheus counters, per tier.
+//! * [`metrics`]: the store's Prometheus counters, per tier;
+//!   [`tier_tokens`]: prompt tokens served per tier, the one count type the
+//!   engine, the server and the benchmarks share.
 
 pub mod admission;
 pub mod block;
@@ -41,6 +43,7 @@ pub mod metrics;
 pub mod outcome;
 pub mod remote;
 pub mod store;
+pub mod tier_tokens;
 pub mod transfer;
 pub mod verify;
 mod workers;
@@ -59,5 +62,6 @@ pub use store::{
     DEFAULT_G3_SYNC, LayerSink, PrefixLookup, PutReport, SharedMemory, StoreConfig, StoreError,
     StoreStats, StoredBlock, TieredStore, WarmProgress,
 };
+pub use tier_tokens::TierTokens;
 pub use transfer::{BlockRegions, BlockResult, Transfer};
 pub use verify::BlockSpec;
