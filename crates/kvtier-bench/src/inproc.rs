@@ -5,9 +5,10 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvtier_engine::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
-use kvtier_engine::tokenizer::TextTokenizer;
-use kvtier_engine::{Engine, sampling::SamplingParams};
+use kvtier_engine::Engine;
+use kvtier_engine::serving::sampling::SamplingParams;
+use kvtier_engine::serving::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
+use kvtier_engine::text::tokenizer::TextTokenizer;
 
 use crate::accuracy::TOP_LOGPROBS;
 use crate::bench_error::BenchError;

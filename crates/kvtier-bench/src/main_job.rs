@@ -17,8 +17,8 @@
 use std::path::{Path, PathBuf};
 
 use kvtier_energy::{CostModel, MeterOptions};
-use kvtier_engine::scheduler::BatchConfig;
-use kvtier_engine::tokenizer::TextTokenizer;
+use kvtier_engine::serving::scheduler::BatchConfig;
+use kvtier_engine::text::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, open_device, write_preset};
 use kvtier_io::IoEngine;
 

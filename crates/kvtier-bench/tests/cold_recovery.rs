@@ -11,8 +11,8 @@ use kvtier_bench::inproc::InProcess;
 use kvtier_bench::report::{BenchReport, MachineInfo};
 use kvtier_bench::{ColdRecoveryConfig, Gates, Hooks, Mode, RunOptions, run_cold_recovery};
 use kvtier_energy::{CostModel, MeterOptions};
-use kvtier_engine::scheduler::BatchConfig;
-use kvtier_engine::tokenizer::TextTokenizer;
+use kvtier_engine::serving::scheduler::BatchConfig;
+use kvtier_engine::text::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
 use kvtier_store::KvCodec;
 

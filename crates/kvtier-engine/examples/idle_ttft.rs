@@ -37,8 +37,8 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvtier_engine::sampling::SamplingParams;
-use kvtier_engine::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
+use kvtier_engine::serving::sampling::SamplingParams;
+use kvtier_engine::serving::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
 use kvtier_engine::{Engine, EngineOptions, Preset, write_preset};
 use kvtier_store::{KvCodec, KvLayout};
 

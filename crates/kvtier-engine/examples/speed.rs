@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use kvtier_engine::sampling::argmax;
+use kvtier_engine::serving::sampling::argmax;
 use kvtier_engine::{Engine, EngineError, EngineOptions, Preset, write_preset};
 
 fn main() -> Result<(), EngineError> {

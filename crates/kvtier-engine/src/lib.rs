@@ -1,50 +1,52 @@
 //! kvtier-engine: a reference inference engine whose KV cache lives in a
 //! paged pool (G1) backed by kvtier's tiered store.
 //!
-//! * [`model_config`]: `config.json` of Llama / Qwen2 / Mistral models.
-//! * [`weights`]: loading through kvtier-io's parallel loader.
-//! * [`model`], [`attention`], [`rope`]: the forward pass over paged KV;
-//!   [`gemv`]: its decode-step projections, hand-written; [`softmax`]: the
-//!   prefill chunks' causal softmax, hand-written.
-//! * [`kv_pool`], [`prefix_cache`]: G1 pages and their prefix index.
-//! * [`engine`]: sequences, the batched step (decode and prefill chunks),
-//!   offload to the store; [`prefix_restore`]: restoring prefixes from the
-//!   store without waiting on it; [`layer_restore`]: layer by layer, the
-//!   forward pass waiting only for the layer it is at.
-//! * [`tokenizer`], [`chat_template`], [`sampling`], [`preset`]: text as
-//!   `transformers` tokenizes and templates it, token choice, and the
-//!   embedded default models.
+//! What lives where, in the order a request meets it:
+//!
+//! * [`model_dir`]: a model directory and what is read from it: the
+//!   config ([`model_dir::model_config`]), its bounded small files
+//!   ([`model_dir::model_files`]), the weights loaded through kvtier-io
+//!   ([`model_dir::weights`]) and checked ([`model_dir::weight_check`]),
+//!   and the embedded default models ([`model_dir::preset`]).
+//! * [`text`]: text as `transformers` tokenizes and templates it
+//!   ([`text::tokenizer`], [`text::chat_template`]).
+//! * [`serving`]: the engine (sequences, the batched step, offload to the
+//!   store: [`serving::engine`]), the scheduler that serves many requests
+//!   from one thread ([`serving::scheduler`]) and token choice
+//!   ([`serving::sampling`]).
+//! * [`kv`]: G1 and the store below it: the page pool ([`kv::kv_pool`]),
+//!   its prefix index ([`kv::prefix_cache`]), prefixes restored from the
+//!   store without waiting on it ([`kv::prefix_restore`]) and layer by
+//!   layer ([`kv::layer_restore`]).
+//! * [`forward`]: the forward pass over paged KV ([`forward::model`], its
+//!   hand-written decode step in `forward/model/decode.rs`), prefill
+//!   attention ([`forward::attention`]) and rotary embeddings
+//!   ([`forward::rope`]).
+//! * [`compute`]: where and how the arithmetic runs: the device and the
+//!   host's threads and allocator ([`compute::device`]), the decode step's
+//!   thread pool ([`compute::parallel`]), and the hand-written kernels
+//!   ([`compute::gemv`], [`compute::softmax`]).
+//! * [`engine_error`]: the one error type, [`EngineError`].
 
-pub mod attention;
-pub mod chat_template;
-pub mod device;
-pub mod engine;
+pub mod model_dir;
+pub mod text;
+
+pub mod serving;
+
+pub mod kv;
+
+pub mod forward;
+
+pub mod compute;
 pub mod engine_error;
-pub mod gemv;
-pub mod kv_pool;
-pub mod layer_restore;
-pub mod model;
-pub mod model_config;
-pub mod model_files;
-pub mod parallel;
-pub mod prefix_cache;
-pub mod prefix_restore;
-pub mod preset;
-pub mod rope;
-pub mod sampling;
-pub mod scheduler;
-pub mod softmax;
-pub mod tokenizer;
-pub mod weight_check;
-pub mod weights;
 
 #[cfg(feature = "cuda")]
-pub use device::cuda_stream;
-pub use device::{fix_cpu_threads, open_device, tune_host_allocator};
-pub use engine::{
+pub use compute::device::cuda_stream;
+pub use compute::device::{fix_cpu_threads, open_device, tune_host_allocator};
+pub use engine_error::EngineError;
+pub use kv::prefix_restore::Attached;
+pub use model_dir::model_config::ModelConfig;
+pub use model_dir::preset::{Preset, write_preset};
+pub use serving::engine::{
     CachedTokens, DEFAULT_RESTORE_YIELD, Engine, EngineOptions, Prefill, SeqId, Step, StoreOptions,
 };
-pub use engine_error::EngineError;
-pub use model_config::ModelConfig;
-pub use prefix_restore::Attached;
-pub use preset::{Preset, write_preset};

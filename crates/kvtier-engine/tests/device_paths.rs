@@ -14,8 +14,8 @@
 #![allow(clippy::unwrap_used)]
 use std::path::Path;
 
-use kvtier_engine::device::take_device_paths_on_cpu;
-use kvtier_engine::sampling::argmax;
+use kvtier_engine::compute::device::take_device_paths_on_cpu;
+use kvtier_engine::serving::sampling::argmax;
 use kvtier_engine::{Engine, EngineOptions, Preset, SeqId, StoreOptions, write_preset};
 use kvtier_store::KvCodec;
 

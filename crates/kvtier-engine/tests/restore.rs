@@ -13,7 +13,7 @@
 #![allow(clippy::unwrap_used)]
 use std::path::Path;
 
-use kvtier_engine::sampling::argmax;
+use kvtier_engine::serving::sampling::argmax;
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
 use kvtier_store::KvCodec;
 use kvtier_store::block::HEADER_BYTES;

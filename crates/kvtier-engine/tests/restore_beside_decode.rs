@@ -10,8 +10,8 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvtier_engine::sampling::SamplingParams;
-use kvtier_engine::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
+use kvtier_engine::serving::sampling::SamplingParams;
+use kvtier_engine::serving::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
 use kvtier_store::RemoteConfig;
 use kvtier_testkit::RedisServer;
@@ -78,7 +78,7 @@ fn a_sequence_keeps_decoding_while_another_restores_from_g4() {
     let computed = a.prefill(&long).unwrap();
     a.flush_offload().unwrap();
     a.store().unwrap().flush().unwrap();
-    let want_first = kvtier_engine::sampling::argmax(&computed.logits);
+    let want_first = kvtier_engine::serving::sampling::argmax(&computed.logits);
     drop(a);
 
     // Node B: one sequence decoding, then the long prompt arrives while the

@@ -7,8 +7,8 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use kvtier_engine::sampling::SamplingParams;
-use kvtier_engine::scheduler::{
+use kvtier_engine::serving::sampling::SamplingParams;
+use kvtier_engine::serving::scheduler::{
     BatchConfig, FinishReason, GenerateEvent, GenerateRequest, Scheduler,
 };
 use kvtier_engine::{Engine, EngineOptions, Preset, write_preset};

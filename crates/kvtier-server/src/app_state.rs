@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use kvtier_engine::chat_template::ChatTemplate;
-use kvtier_engine::scheduler::Scheduler;
-use kvtier_engine::tokenizer::TextTokenizer;
+use kvtier_engine::serving::scheduler::Scheduler;
+use kvtier_engine::text::chat_template::ChatTemplate;
+use kvtier_engine::text::tokenizer::TextTokenizer;
 use tokio::sync::Semaphore;
 
 use crate::auth::ApiKeys;

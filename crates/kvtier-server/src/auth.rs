@@ -19,7 +19,7 @@ use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use kvtier_engine::model_files::read_bounded_text;
+use kvtier_engine::model_dir::model_files::read_bounded_text;
 
 use crate::api_error::ApiError;
 use crate::serve_error::ServeError;

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_engine::CachedTokens;
-use kvtier_engine::sampling::Sampled;
-use kvtier_engine::scheduler::{EventSink, GenerateEvent, GenerateRequest};
+use kvtier_engine::serving::sampling::Sampled;
+use kvtier_engine::serving::scheduler::{EventSink, GenerateEvent, GenerateRequest};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api_error::ApiError;

@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use kvtier_engine::chat_template::ChatTemplate;
-use kvtier_engine::scheduler::{BatchConfig, Scheduler};
-use kvtier_engine::tokenizer::TextTokenizer;
+use kvtier_engine::serving::scheduler::{BatchConfig, Scheduler};
+use kvtier_engine::text::chat_template::ChatTemplate;
+use kvtier_engine::text::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions, open_device};
 use kvtier_store::Recovery;
 use tokio::net::TcpListener;

@@ -6,10 +6,10 @@
 //! of a multi-byte character as U+FFFD), or, with vLLM's
 //! `return_tokens_as_token_ids`, as `token_id:<id>` so clients can tell
 //! tokens of equal text apart. Values are the raw model's log
-//! probabilities ([`kvtier_engine::sampling`]); minus infinity, which JSON
+//! probabilities ([`kvtier_engine::serving::sampling`]); minus infinity, which JSON
 //! cannot carry, is written as -9999 (as vLLM does).
 
-use kvtier_engine::sampling::Sampled;
+use kvtier_engine::serving::sampling::Sampled;
 use serde::Serialize;
 use serde_json::{Map, Value};
 

@@ -11,8 +11,8 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kvtier_engine::chat_template::ChatTemplate;
-use kvtier_engine::tokenizer::{ChatMessage, TextTokenizer};
+use kvtier_engine::text::chat_template::ChatTemplate;
+use kvtier_engine::text::tokenizer::{ChatMessage, TextTokenizer};
 use kvtier_engine::{Engine, EngineOptions, ModelConfig, StoreOptions, open_device};
 use kvtier_store::RemoteConfig;
 use serde::Serialize;

@@ -13,7 +13,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json};
-use kvtier_engine::sampling::Sampled;
+use kvtier_engine::serving::sampling::Sampled;
 use kvtier_store::MetricsFormat;
 use serde_json::json;
 use tower_http::timeout::RequestBodyTimeoutLayer;

@@ -92,7 +92,7 @@ pub struct ServeOptions {
     /// A Jinja chat template file that replaces the model's own (default:
     /// the model's: `chat_template.jinja`, else `chat_template` of
     /// `tokenizer_config.json`, else ChatML with a warning;
-    /// [`kvtier_engine::chat_template`]).
+    /// [`kvtier_engine::text::chat_template`]).
     pub chat_template: Option<PathBuf>,
 }
 

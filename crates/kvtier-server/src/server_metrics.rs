@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvtier_engine::scheduler::SchedulerSnapshot;
+use kvtier_engine::serving::scheduler::SchedulerSnapshot;
 use kvtier_engine::{CachedTokens, Engine};
 use kvtier_store::eviction::EvictionKind;
 use kvtier_store::{MetricsFormat, StoreConfig, StoreMetrics, TieredStore};

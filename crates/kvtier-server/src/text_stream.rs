@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use kvtier_engine::EngineError;
-use kvtier_engine::tokenizer::TextTokenizer;
+use kvtier_engine::text::tokenizer::TextTokenizer;
 
 /// Turns a stream of token ids into a stream of text pieces.
 ///
@@ -165,7 +165,7 @@ mod tests {
 
     fn tokenizer() -> (tempfile::TempDir, Arc<TextTokenizer>) {
         let dir = tempfile::tempdir().expect("tempdir");
-        kvtier_engine::preset::build_tokenizer()
+        kvtier_engine::model_dir::preset::build_tokenizer()
             .expect("tokenizer")
             .save(dir.path().join("tokenizer.json"), false)
             .expect("save");

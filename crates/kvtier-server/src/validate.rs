@@ -1,8 +1,8 @@
 //! Checks a request and turns it into what the scheduler needs: every bad
 //! field is a 4xx naming it, before any work is queued.
 
-use kvtier_engine::sampling::{MAX_LOGPROBS, SamplingParams};
-use kvtier_engine::tokenizer::ChatMessage;
+use kvtier_engine::serving::sampling::{MAX_LOGPROBS, SamplingParams};
+use kvtier_engine::text::tokenizer::ChatMessage;
 use serde_json::Value;
 
 use crate::api_error::ApiError;

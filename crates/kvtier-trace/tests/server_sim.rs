@@ -27,7 +27,7 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvtier_engine::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
+use kvtier_engine::serving::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
 use kvtier_engine::{
     CachedTokens, Engine, EngineOptions, ModelConfig, Preset, StoreOptions, write_preset,
 };

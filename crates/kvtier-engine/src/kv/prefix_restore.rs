@@ -8,7 +8,7 @@
 //! [`Engine::step`].
 //!
 //! By default ([`crate::EngineOptions::layerwise_restore`]) the read is
-//! layer-wise instead ([`crate::layer_restore`]): its layers are decoded
+//! layer-wise instead ([`crate::kv::layer_restore`]): its layers are decoded
 //! into pages taken at `begin`, on the store's threads, so `attach` only
 //! puts those pages in the table. A sequence begun alone is attached as
 //! soon as the store knows what it will hand over, and its first step
@@ -21,7 +21,7 @@
 //! * The tail after them, fewer than a block: from the store by its partial
 //!   key (a repeated prompt; [`kvtier_store::KeyChain::partial`]), or from
 //!   any G1 page below the last full block that starts with the same tokens
-//!   ([`crate::prefix_cache::PrefixCache::best_child`]): its rows are
+//!   ([`crate::kv::prefix_cache::PrefixCache::best_child`]): its rows are
 //!   copied into the prompt's own page.
 
 use std::collections::VecDeque;
@@ -30,10 +30,10 @@ use std::time::Instant;
 
 use kvtier_store::{BlockKey, Handle, StoredBlock, Tier};
 
-use crate::engine::{CachedTokens, Engine, Seq, SeqId};
 use crate::engine_error::EngineError;
-use crate::kv_pool::PageId;
-use crate::layer_restore::RestoreSink;
+use crate::kv::kv_pool::PageId;
+use crate::kv::layer_restore::RestoreSink;
+use crate::serving::engine::{CachedTokens, Engine, Seq, SeqId};
 
 /// What [`Engine::begin`] started for a sequence.
 #[derive(Debug)]
@@ -61,7 +61,7 @@ pub(crate) struct Begun {
     /// What was copied into G1 so far.
     attached: Attached,
     /// A layer-wise read's destination, with the pages it fills, one per
-    /// key ([`crate::layer_restore`]).
+    /// key ([`crate::kv::layer_restore`]).
     layered: Option<Arc<RestoreSink>>,
     /// The forward pass may start before that read is done: the sequence
     /// was the engine's only one when it began.
@@ -126,7 +126,7 @@ pub struct Attached {
     /// Prompt tokens left to compute.
     pub to_compute: usize,
     /// The store's blocks were restored layer by layer, the forward pass
-    /// starting before the read was done ([`crate::layer_restore`]).
+    /// starting before the read was done ([`crate::kv::layer_restore`]).
     pub layer_wise: bool,
 }
 
@@ -374,7 +374,7 @@ impl Engine {
     }
 
     /// True once [`attach`](Self::attach) can take `id` without waiting
-    /// for all of its store read: a layer-wise restore ([`crate::layer_restore`])
+    /// for all of its store read: a layer-wise restore ([`crate::kv::layer_restore`])
     /// begun while `id` was the engine's only sequence, whose store knows
     /// which blocks it will hand over. Its forward pass then waits for each
     /// layer as it goes.

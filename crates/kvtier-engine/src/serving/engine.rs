@@ -3,7 +3,7 @@
 //!
 //! For each prompt: keys of its full blocks -> G1 hits -> one background
 //! read of the rest of the cached prefix from the store
-//! ([`Engine::begin`], in [`crate::prefix_restore`]), while the caller's
+//! ([`Engine::begin`], in [`crate::kv::prefix_restore`]), while the caller's
 //! thread goes on -> once the read is done ([`Engine::restore_done`]),
 //! [`Engine::attach`] copies the blocks into G1 pages (one copy each) ->
 //! the uncached rest of the prompt is computed a page at a time by
@@ -26,12 +26,12 @@ use kvtier_store::{
 };
 
 use crate::engine_error::EngineError;
-use crate::kv_pool::{KvPool, PageId};
-use crate::model::{Model, Segment};
-use crate::model_config::ModelConfig;
-use crate::prefix_cache::PrefixCache;
-use crate::prefix_restore::{Begun, LayeredAttach};
-use crate::weights::Weights;
+use crate::forward::model::{Model, Segment};
+use crate::kv::kv_pool::{KvPool, PageId};
+use crate::kv::prefix_cache::PrefixCache;
+use crate::kv::prefix_restore::{Begun, LayeredAttach};
+use crate::model_dir::model_config::ModelConfig;
+use crate::model_dir::weights::Weights;
 
 /// How to build an [`Engine`].
 #[derive(Debug, Clone)]
@@ -48,7 +48,7 @@ pub struct EngineOptions {
     pub tenant_salt: Vec<u8>,
     /// Where tensors live.
     pub device: Device,
-    /// Restore prefixes layer by layer ([`crate::layer_restore`]): each
+    /// Restore prefixes layer by layer ([`crate::kv::layer_restore`]): each
     /// layer is decoded into its G1 page on the store's threads as it
     /// lands. When the engine runs nothing else, the forward pass starts
     /// while later layers are still being read. Off: whole blocks are read,
@@ -179,7 +179,7 @@ pub(crate) struct Seq {
     /// A layer-wise restore attached and not verified yet.
     pub(crate) layered: Option<LayeredAttach>,
     /// What its prefix restore took from the caches, once attached.
-    pub(crate) attached: Option<crate::prefix_restore::Attached>,
+    pub(crate) attached: Option<crate::kv::prefix_restore::Attached>,
     /// The store holds the prompt's tail under its partial key already (it
     /// was restored from there): not offered again.
     pub(crate) tail_stored: bool,

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use kvtier_store::BlockKey;
 
-use crate::kv_pool::PageId;
+use crate::kv::kv_pool::PageId;
 
 #[derive(Debug, Clone)]
 struct Entry {

@@ -36,7 +36,7 @@ impl InplaceOp1 for CausalSoftmax {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let (all, range) = crate::gemv::f32_in_place(storage, layout, "attention scores")?;
+        let (all, range) = crate::compute::gemv::f32_in_place(storage, layout, "attention scores")?;
         let rows = all
             .get_mut(range)
             .ok_or_else(|| candle_core::Error::Msg("scores outside their storage".into()))?;
@@ -85,7 +85,7 @@ fn softmax_range(row: &mut [f32], first: usize, last: usize) {
 fn exp_shifted(v: &mut [f32], shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if crate::gemv::simd() {
+        if crate::compute::gemv::simd() {
             // SAFETY: the CPU has AVX2 and FMA (checked by `simd`).
             return unsafe { exp_shifted_avx2(v, shift) };
         }
@@ -195,7 +195,8 @@ mod tests {
             .collect();
         for window in [None, Some(4)] {
             let scores = Tensor::from_vec(data.clone(), (heads, t, keys), &dev).unwrap();
-            let mask = crate::attention::causal_mask(start, t, keys, window, &dev).unwrap();
+            let mask =
+                crate::forward::attention::causal_mask(start, t, keys, window, &dev).unwrap();
             let want =
                 candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap()).unwrap();
             let got = scores.copy().unwrap();

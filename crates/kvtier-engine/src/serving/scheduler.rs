@@ -38,9 +38,9 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::engine::{CachedTokens, Engine, SeqId};
-use crate::prefix_restore::Attached;
-use crate::sampling::{Sampled, Sampler, SamplingParams};
+use crate::kv::prefix_restore::Attached;
+use crate::serving::engine::{CachedTokens, Engine, SeqId};
+use crate::serving::sampling::{Sampled, Sampler, SamplingParams};
 
 /// Batching limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -377,7 +377,7 @@ fn run(
         ..Default::default()
     };
     // The engine's tensors are used on this thread from here on.
-    if let Err(e) = crate::device::bind_to_thread(&engine.options().device) {
+    if let Err(e) = crate::compute::device::bind_to_thread(&engine.options().device) {
         tracing::warn!("{e}");
     }
     loop {

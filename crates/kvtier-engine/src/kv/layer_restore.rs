@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use kvtier_store::{KvLayout, LayerSink, Tier};
 use parking_lot::{Condvar, Mutex};
 
-use crate::kv_pool::{PageId, PageWriter};
+use crate::kv::kv_pool::{PageId, PageWriter};
 
 /// What has landed of a layer-wise restore.
 #[derive(Debug, Default)]

@@ -10,7 +10,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::model_config::{RopeKind, RopeParams};
+use crate::model_dir::model_config::{RopeKind, RopeParams};
 
 /// Precomputed RoPE tables, `(max_positions, rotary_dim / 2)`.
 #[derive(Debug, Clone)]

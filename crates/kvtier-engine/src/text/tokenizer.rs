@@ -13,7 +13,7 @@
 //! * `tokenizer_config.json` is read for what `transformers` reads from it:
 //!   the special token strings (`bos_token`, `eos_token`, ... : the chat
 //!   template's variables), `add_bos_token` / `add_eos_token`, and the chat
-//!   template ([`crate::chat_template`]).
+//!   template ([`crate::text::chat_template`]).
 //!
 //! Decision on `add_bos_token` / `add_eos_token`: `transformers` rebuilds
 //! the post-processor from them for the tokenizer classes that define
@@ -30,7 +30,7 @@ use serde_json::Value;
 use tokenizers::Tokenizer;
 
 use crate::engine_error::EngineError;
-use crate::model_files::{TOKENIZER_MAX_BYTES, read_bounded};
+use crate::model_dir::model_files::{TOKENIZER_MAX_BYTES, read_bounded};
 
 /// Most bytes of `tokenizer_config.json` read (it can list every added
 /// token and carry several templates).
@@ -313,7 +313,7 @@ mod tests {
     use super::*;
 
     fn embedded(dir: &Path) -> TextTokenizer {
-        crate::preset::build_tokenizer()
+        crate::model_dir::preset::build_tokenizer()
             .unwrap()
             .save(dir.join("tokenizer.json"), false)
             .unwrap();
@@ -333,14 +333,14 @@ mod tests {
             .unwrap();
         assert_eq!(
             ids[0],
-            crate::preset::BOS_ID + 2,
+            crate::model_dir::preset::BOS_ID + 2,
             "<|im_start|> is one token"
         );
-        assert!(ids.contains(&crate::preset::IM_END_ID));
+        assert!(ids.contains(&crate::model_dir::preset::IM_END_ID));
         assert_eq!(tok.vocab_size(), 260);
         assert_eq!(tok.token_text(u32::from(b'H')).unwrap(), "H");
         assert_eq!(
-            tok.token_text(crate::preset::IM_END_ID).unwrap(),
+            tok.token_text(crate::model_dir::preset::IM_END_ID).unwrap(),
             "<|im_end|>"
         );
     }
@@ -362,7 +362,10 @@ mod tests {
         )
         .unwrap();
         let tok = TextTokenizer::from_dir(dir.path()).unwrap();
-        let (bos, eos) = (crate::preset::BOS_ID, crate::preset::EOS_ID);
+        let (bos, eos) = (
+            crate::model_dir::preset::BOS_ID,
+            crate::model_dir::preset::EOS_ID,
+        );
         assert_eq!(tok.encode("hi").unwrap(), vec![bos, hi[0], hi[1], eos]);
         assert_eq!(
             tok.encode_rendered("hi").unwrap(),

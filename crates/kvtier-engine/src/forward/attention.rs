@@ -10,8 +10,8 @@
 
 use candle_core::{Device, Tensor};
 
-use crate::kv_pool::{KvPool, PageId};
-use crate::softmax::CausalSoftmax;
+use crate::compute::softmax::CausalSoftmax;
+use crate::kv::kv_pool::{KvPool, PageId};
 
 /// Additive causal mask `(t, pages * block_tokens)` for queries at positions
 /// `start..start + t`: key `j` is visible to query `i` iff `j <= start + i`

@@ -31,7 +31,7 @@ use kvtier_store::{Arrangement, KvDtype, KvLayout};
 use serde::Deserialize;
 
 use crate::engine_error::EngineError;
-use crate::model_files::{CONFIG_MAX_BYTES, read_bounded_text};
+use crate::model_dir::model_files::{CONFIG_MAX_BYTES, read_bounded_text};
 
 /// RoPE parameters as a config writes them: 4.x's `rope_scaling` or 5.x's
 /// `rope_parameters` (which also holds `rope_theta`).

@@ -10,7 +10,7 @@
 //! docs/benchmarks.md). This kernel streams each weight row once through
 //! FMA dot products (AVX-512 where the CPU has it, else AVX2) with every
 //! row of `x` (kept in L1), and splits the
-//! output rows over the CPU threads (`--threads`; [`crate::parallel`]). Prefill chunks (many
+//! output rows over the CPU threads (`--threads`; [`crate::compute::parallel`]). Prefill chunks (many
 //! rows, compute-bound) stay on candle's packed gemm.
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
@@ -88,7 +88,7 @@ pub fn rows(
             }
         }
     };
-    crate::parallel::for_each_chunk(&mut yt, ROWS_PER_TASK * m, job);
+    crate::compute::parallel::for_each_chunk(&mut yt, ROWS_PER_TASK * m, job);
     drop((wg, bg));
     if m == 1 {
         return Ok(Some(yt));

@@ -16,13 +16,13 @@ mod decode;
 use candle_core::{D, DType, Device, Tensor};
 use candle_nn::{Linear, Module};
 
-use crate::attention::{causal_mask, context_keys, paged_attention};
+use crate::compute::softmax::CausalSoftmax;
 use crate::engine_error::EngineError;
-use crate::kv_pool::{KvPool, PageId};
-use crate::model_config::ModelConfig;
-use crate::rope::Rope;
-use crate::softmax::CausalSoftmax;
-use crate::weights::Weights;
+use crate::forward::attention::{causal_mask, context_keys, paged_attention};
+use crate::forward::rope::Rope;
+use crate::kv::kv_pool::{KvPool, PageId};
+use crate::model_dir::model_config::ModelConfig;
+use crate::model_dir::weights::Weights;
 
 /// One sequence's share of a forward pass.
 #[derive(Debug, Clone, Copy)]
@@ -68,10 +68,10 @@ pub struct Model {
 /// KV, so a layer-wise restore's wait overlaps that much of the layer.
 pub(crate) type LayerGate<'a> = &'a (dyn Fn(usize) + Sync);
 
-/// `x Wᵀ + b`: by the decode kernel for a few rows ([`crate::gemv`]), by
+/// `x Wᵀ + b`: by the decode kernel for a few rows ([`crate::compute::gemv`]), by
 /// candle's gemm otherwise.
 fn project(lin: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
-    match crate::gemv::linear(x, lin.weight(), lin.bias())? {
+    match crate::compute::gemv::linear(x, lin.weight(), lin.bias())? {
         Some(y) => Ok(y),
         None => lin.forward(x),
     }
@@ -203,14 +203,14 @@ impl Model {
     /// that is already running, instead of each being handed over from the
     /// caller's thread and waited for. The decode step runs on the caller's
     /// thread, which works beside kvtier's spinning pool
-    /// ([`crate::parallel`]).
+    /// ([`crate::compute::parallel`]).
     pub fn forward(&self, pool: &KvPool, segs: &[Segment<'_>]) -> Result<Tensor, EngineError> {
         self.forward_gated(pool, segs, &|_| {})
     }
 
     /// [`forward`](Self::forward), calling `gate(l)` before layer `l`
     /// touches the pool (after its Q/K/V projection): a layer-wise restore
-    /// waits there for that layer of the prefix ([`crate::layer_restore`]).
+    /// waits there for that layer of the prefix ([`crate::kv::layer_restore`]).
     pub(crate) fn forward_gated(
         &self,
         pool: &KvPool,
@@ -325,7 +325,7 @@ impl Model {
                     start: s.start,
                     window: layer.window.and(window),
                 };
-                let mask = if crate::device::host_paths(&self.device) {
+                let mask = if crate::compute::device::host_paths(&self.device) {
                     None
                 } else {
                     let slot = &mut masks[si][usize::from(causal.window.is_some())];

@@ -257,7 +257,7 @@ impl KvPool {
                 let (storage, tl) = t.storage_and_layout();
                 match (&*storage, tl.contiguous_offsets()) {
                     (Storage::Cpu(CpuStorage::F32(all)), Some((start, _)))
-                        if crate::device::host_paths(&self.mem.device) =>
+                        if crate::compute::device::host_paths(&self.mem.device) =>
                     {
                         for h in 0..self.mem.kv_heads {
                             let from = start + self.row(page, h, 0) * self.mem.head_dim;
@@ -315,7 +315,7 @@ impl KvPool {
 
     /// The pool's memory without its page bookkeeping: what a store thread
     /// needs to decode restored layers into pages while the engine computes
-    /// ([`crate::layer_restore`]).
+    /// ([`crate::kv::layer_restore`]).
     pub(crate) fn page_writer(&self) -> PageWriter {
         self.mem.clone()
     }
@@ -400,7 +400,7 @@ impl KvPool {
         for t in self.mem.k.iter().chain(&self.mem.v) {
             for h in 0..self.mem.kv_heads {
                 let (from, to) = (self.row(src, h, 0), self.row(dst, h, 0));
-                if crate::device::host_paths(&self.mem.device) {
+                if crate::compute::device::host_paths(&self.mem.device) {
                     t.inplace_op1(&CopyRows {
                         from: from * self.mem.head_dim,
                         to: to * self.mem.head_dim,
@@ -496,7 +496,7 @@ impl PageWriter {
                 self.block_tokens
             )));
         }
-        if !crate::device::host_paths(&self.device) {
+        if !crate::compute::device::host_paths(&self.device) {
             return self.import_to_device(page, &one, (layers, rows), stored);
         }
         let run = (layout.block_tokens as usize * self.head_dim * 4) as u64;
@@ -534,7 +534,7 @@ impl PageWriter {
         stored: &[u8],
     ) -> Result<(), EngineError> {
         // Called on the store's threads too (layer-wise restores).
-        crate::device::bind_to_thread(&self.device)?;
+        crate::compute::device::bind_to_thread(&self.device)?;
         let run = one.block_tokens as usize * self.head_dim * 4;
         let used = rows * self.head_dim * 4;
         let per_layer = 2 * self.kv_heads;
@@ -615,7 +615,7 @@ impl InplaceOp1 for WritePage<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let (all, range) = crate::gemv::f32_in_place(storage, layout, "KV pool")?;
+        let (all, range) = crate::compute::gemv::f32_in_place(storage, layout, "KV pool")?;
         let start = range.start;
         let from = start + self.offset;
         let dst = all
@@ -641,7 +641,7 @@ impl InplaceOp1 for WriteRows<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let (all, range) = crate::gemv::f32_in_place(storage, layout, "KV pool")?;
+        let (all, range) = crate::compute::gemv::f32_in_place(storage, layout, "KV pool")?;
         let start = range.start;
         for (&at, row) in self.at.iter().zip(self.data.chunks_exact(self.width)) {
             let from = start + at;
@@ -667,7 +667,7 @@ impl InplaceOp1 for CopyRows {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let (all, range) = crate::gemv::f32_in_place(storage, layout, "KV pool")?;
+        let (all, range) = crate::compute::gemv::f32_in_place(storage, layout, "KV pool")?;
         let start = range.start;
         let (from, to) = (start + self.from, start + self.to);
         if from.max(to) + self.len > all.len() {

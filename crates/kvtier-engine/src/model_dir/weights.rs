@@ -13,8 +13,8 @@ use kvtier_io::safetensors::Dtype;
 use kvtier_store::ModelFingerprint;
 
 use crate::engine_error::EngineError;
-use crate::model_files::{CONFIG_MAX_BYTES, read_bounded};
-use crate::weight_check::check_tensor;
+use crate::model_dir::model_files::{CONFIG_MAX_BYTES, read_bounded};
+use crate::model_dir::weight_check::check_tensor;
 
 /// Named weights waiting to be taken by the model builder.
 #[derive(Debug)]

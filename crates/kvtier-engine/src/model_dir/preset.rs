@@ -158,7 +158,7 @@ pub fn write_preset(preset: Preset, seed: u64, dir: &Path) -> Result<u64, Engine
     let cfg_json = preset.config_json(seed);
     let cfg_text =
         serde_json::to_string_pretty(&cfg_json).map_err(|e| EngineError::Weights(e.to_string()))?;
-    let cfg = crate::model_config::ModelConfig::from_json(&cfg_text).map_err(|msg| {
+    let cfg = crate::model_dir::model_config::ModelConfig::from_json(&cfg_text).map_err(|msg| {
         EngineError::Config {
             path: dir.join("config.json"),
             msg,
@@ -241,6 +241,6 @@ pub fn tokenizer_config() -> serde_json::Value {
         "eos_token": SPECIAL_TOKENS[1],
         "add_bos_token": false,
         "add_eos_token": false,
-        "chat_template": crate::chat_template::DEFAULT_TEMPLATE,
+        "chat_template": crate::text::chat_template::DEFAULT_TEMPLATE,
     })
 }

@@ -7,12 +7,12 @@
 //! which cost about as much as the arithmetic, and its attention gathered
 //! every page of the context into one tensor (a copy that grew with the
 //! context and with the number of pages) before two matmuls. Here the
-//! projections are [`crate::gemv`]'s streaming dot products, the norms,
+//! projections are [`crate::compute::gemv`]'s streaming dot products, the norms,
 //! RoPE and SwiGLU are plain loops over host vectors, the new K/V goes
 //! straight into its page, and attention walks the sequence's page table in
 //! place with an online softmax (no gather, no score matrix), so its cost
 //! is the context's bytes whatever the page size. Work is split over the
-//! CPU threads ([`crate::parallel`]) by output rows (projections) and by
+//! CPU threads ([`crate::compute::parallel`]) by output rows (projections) and by
 //! (sequence, KV head)
 //! (attention).
 //!
@@ -23,9 +23,9 @@
 use candle_core::Tensor;
 
 use super::{Layer, LayerGate, Model, Segment};
+use crate::compute::gemv::{self, with_host};
 use crate::engine_error::EngineError;
-use crate::gemv::{self, with_host};
-use crate::kv_pool::KvPool;
+use crate::kv::kv_pool::KvPool;
 
 /// Keys scored together before their exponentials (a run inside one page).
 const KEY_RUN: usize = 32;
@@ -42,7 +42,7 @@ impl Model {
         gate: LayerGate<'_>,
     ) -> Result<Option<Tensor>, EngineError> {
         let m = segs.len();
-        if !crate::device::host_paths(&self.device)
+        if !crate::compute::device::host_paths(&self.device)
             || m == 0
             || m > gemv::MAX_ROWS
             || segs.iter().any(|s| s.tokens.len() != 1)
@@ -252,7 +252,7 @@ fn attend(
             }
         };
         let chunk = groups * hd;
-        crate::parallel::for_each_chunk(&mut out, chunk, job);
+        crate::compute::parallel::for_each_chunk(&mut out, chunk, job);
     })?;
     Some(out)
 }
@@ -261,11 +261,11 @@ fn attend(
 mod tests {
     use candle_core::Device;
 
-    use crate::kv_pool::KvPool;
-    use crate::model::{Model, Segment};
-    use crate::model_config::ModelConfig;
-    use crate::preset::{Preset, write_preset};
-    use crate::weights::Weights;
+    use crate::forward::model::{Model, Segment};
+    use crate::kv::kv_pool::KvPool;
+    use crate::model_dir::model_config::ModelConfig;
+    use crate::model_dir::preset::{Preset, write_preset};
+    use crate::model_dir::weights::Weights;
 
     fn model(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) -> Model {
         write_preset(Preset::Tiny, 7, dir).unwrap();

@@ -35,8 +35,8 @@ use minijinja::{Environment, Error as JError, ErrorKind};
 use serde_json::{Map, Value};
 
 use crate::engine_error::EngineError;
-use crate::model_files::read_bounded_text;
-use crate::tokenizer::{ChatMessage, TokenizerConfig};
+use crate::model_dir::model_files::read_bounded_text;
+use crate::text::tokenizer::{ChatMessage, TokenizerConfig};
 
 /// Most bytes of a chat template file read.
 pub const TEMPLATE_MAX_BYTES: u64 = 4 << 20;
