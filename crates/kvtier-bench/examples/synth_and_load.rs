@@ -8,9 +8,9 @@
 //! ```
 
 use kvtier_bench::TextReport;
-use kvtier_bench::device_limit::DeviceLimit;
-use kvtier_bench::model_load::{ModelLoadOptions, run_model_load};
-use kvtier_bench::model_synth::{ModelSynthOptions, run_model_synth};
+use kvtier_bench::machine::device_limit::DeviceLimit;
+use kvtier_bench::models::model_load::{ModelLoadOptions, run_model_load};
+use kvtier_bench::models::model_synth::{ModelSynthOptions, run_model_synth};
 use kvtier_io::{IoEngine, probe_direct};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -37,14 +37,14 @@ use kvtier_io::safetensors::TensorInfo;
 use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, IoEngine, probe_direct};
 
 use crate::bench_error::{BenchError, Result, StepContext, fail};
-use crate::device_limit::{measure_write, random_write_patterns};
-use crate::fill::{fill_random, random_state};
-use crate::host::{CacheDrops, first_touch_gbps, settle};
-use crate::model_synth::plan_model;
-use crate::progress::progress_bar;
-use crate::run_dirs::RunDirs;
-use crate::size::format_size;
-use crate::stats::{fraction, median, paired_fraction};
+use crate::common::fill::{fill_random, random_state};
+use crate::common::progress::progress_bar;
+use crate::common::size::format_size;
+use crate::machine::device_limit::{measure_write, random_write_patterns};
+use crate::machine::host::{CacheDrops, first_touch_gbps, settle};
+use crate::machine::run_dirs::RunDirs;
+use crate::models::model_synth::plan_model;
+use crate::reporting::stats::{fraction, median, paired_fraction};
 use checkpoint_report::{CheckpointBenchReport, WriterReport};
 use naive_writer::{group_shards, naive_save};
 

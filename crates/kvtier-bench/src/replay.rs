@@ -55,8 +55,8 @@ use kvtier_trace::prompts::PromptBuilder;
 use kvtier_trace::server_sim::{ServerShape, ServerSim, TierHits};
 
 use crate::bench_error::BenchError;
-use crate::endpoint::Endpoint;
-use crate::run_summary::Mode;
+use crate::reporting::run_summary::Mode;
+use crate::targets::endpoint::Endpoint;
 
 pub use self::report::{
     GateVerdict, ReplayReport, ReplaySettings, RequestLine, RunReport, Window, write_results,

@@ -22,12 +22,12 @@ use kvtier_io::{IoEngine, system_allocator};
 use kvtier_store::{DiskConfig, DiskTier, StoreMetrics};
 
 use crate::bench_error::{BenchError, Result, StepContext, fail};
-use crate::device_limit::{DeviceLimit, limit_file_bytes};
-use crate::host::CacheDrops;
-use crate::progress::progress_bar;
-use crate::run_dirs::RunDirs;
-use crate::size::format_size;
-use crate::stats::{fraction, median, paired_fraction};
+use crate::common::progress::progress_bar;
+use crate::common::size::format_size;
+use crate::machine::device_limit::{DeviceLimit, limit_file_bytes};
+use crate::machine::host::CacheDrops;
+use crate::machine::run_dirs::RunDirs;
+use crate::reporting::stats::{fraction, median, paired_fraction};
 use block_set::{BlockReader, write_set};
 use slot_layout::layout_for_block_bytes;
 use store_report::{CaseReport, StoreBenchReport};

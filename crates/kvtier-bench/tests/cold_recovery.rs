@@ -7,8 +7,8 @@
 
 use std::time::Duration;
 
-use kvtier_bench::inproc::InProcess;
-use kvtier_bench::report::{BenchReport, MachineInfo};
+use kvtier_bench::reporting::report::{BenchReport, MachineInfo};
+use kvtier_bench::targets::inproc::InProcess;
 use kvtier_bench::{ColdRecoveryConfig, Gates, Hooks, Mode, RunOptions, run_cold_recovery};
 use kvtier_energy::{CostModel, MeterOptions};
 use kvtier_engine::serving::scheduler::BatchConfig;

@@ -17,10 +17,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvtier_bench::endpoint::{Endpoint, EndpointOptions};
-use kvtier_bench::report::{MachineInfo, TierTokens};
-use kvtier_bench::target::Target;
-use kvtier_bench::workload::Session;
+use kvtier_bench::cold_recovery::workload::Session;
+use kvtier_bench::reporting::report::{MachineInfo, TierTokens};
+use kvtier_bench::targets::endpoint::{Endpoint, EndpointOptions};
+use kvtier_bench::targets::target::Target;
 use kvtier_bench::{ColdRecoveryConfig, Gates, Hooks, Mode, RunOptions, run_cold_recovery};
 use kvtier_energy::{CostModel, MeterOptions};
 use serde_json::{Value, json};
@@ -437,7 +437,7 @@ fn a_run_whose_requests_fail_mid_run_finishes_and_counts_them() {
 
 #[test]
 fn a_baseline_endpoint_gets_the_baseline_runs_and_nothing_else() {
-    use kvtier_bench::endpoint_pair::EndpointPair;
+    use kvtier_bench::targets::endpoint_pair::EndpointPair;
     let kv = Peer::start(|_, body, conn| good_stream(conn, body, Usage::OpenAi));
     let base = Peer::start(|_, body, conn| good_stream(conn, body, Usage::OpenAi));
     let mut pair = EndpointPair::new(

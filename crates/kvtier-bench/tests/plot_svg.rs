@@ -5,8 +5,8 @@
 
 use std::path::Path;
 
-use kvtier_bench::plot::{PLOT_FILES, write_plots};
-use kvtier_bench::report::RequestRecord;
+use kvtier_bench::reporting::plot::{PLOT_FILES, write_plots};
+use kvtier_bench::reporting::report::RequestRecord;
 use kvtier_bench::{BenchReport, Mode, RunSummary};
 
 fn run(mode: Mode, concurrency: u32, scale: f64) -> RunSummary {

@@ -9,7 +9,7 @@ use crate::cli_model::{
 };
 use crate::cmd_model_init::ModelInitArgs;
 use crate::cmd_serve::ServeArgs;
-use kvtier_bench::size::parse_size;
+use kvtier_bench::common::size::parse_size;
 use kvtier_bench::store_bench::slot_layout::check_block_bytes;
 use kvtier_bench::store_bench::{G3_DEFAULT_TOTAL_BYTES, G4_DEFAULT_TOTAL_BYTES};
 

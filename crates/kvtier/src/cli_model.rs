@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 use kvtier_io::DIRECT_IO_ALIGN;
 use kvtier_io::loader::LoaderConfig;
 
-use kvtier_bench::size::parse_size;
+use kvtier_bench::common::size::parse_size;
 
 /// Largest in-flight depth any flag accepts (the I/O engine's limit).
 pub const MAX_IN_FLIGHT: u32 = kvtier_io::MAX_IN_FLIGHT as u32;

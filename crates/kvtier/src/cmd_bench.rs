@@ -1,13 +1,13 @@
 //! `kvtier bench`: the flags of kvtier's main job, mapped onto
-//! [`kvtier_bench::main_job::MainJobOptions`]; the job itself is
-//! [`kvtier_bench::main_job::run_main_job`].
+//! [`kvtier_bench::cold_recovery::main_job::MainJobOptions`]; the job itself is
+//! [`kvtier_bench::cold_recovery::main_job::run_main_job`].
 
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
-use kvtier_bench::main_job::{MainJobOptions, run_main_job};
-use kvtier_bench::size::parse_size;
+use kvtier_bench::cold_recovery::main_job::{MainJobOptions, run_main_job};
+use kvtier_bench::common::size::parse_size;
 
 /// Workloads `kvtier bench` knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

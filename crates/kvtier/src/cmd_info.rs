@@ -1,8 +1,8 @@
 //! `kvtier info`: the machine, the I/O backend, and O_DIRECT on the cache
-//! directory ([`kvtier_bench::host_info`]).
+//! directory ([`kvtier_bench::machine::host_info`]).
 
 use anyhow::Result;
-use kvtier_bench::host_info::gather;
+use kvtier_bench::machine::host_info::gather;
 
 use crate::cli::InfoArgs;
 use crate::print_report::print_report;

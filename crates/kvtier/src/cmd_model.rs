@@ -4,9 +4,9 @@
 use anyhow::Result;
 use kvtier_bench::TextReport;
 use kvtier_bench::checkpoint_bench::{CheckpointBenchOptions, run_checkpoint_bench};
-use kvtier_bench::model_bench::{LoadModes, ModelBenchOptions, run_model_bench};
-use kvtier_bench::model_load::{ModelLoadOptions, run_model_load};
-use kvtier_bench::model_synth::{ModelSynthOptions, run_model_synth};
+use kvtier_bench::models::model_bench::{LoadModes, ModelBenchOptions, run_model_bench};
+use kvtier_bench::models::model_load::{ModelLoadOptions, run_model_load};
+use kvtier_bench::models::model_synth::{ModelSynthOptions, run_model_synth};
 
 use crate::cli_model::{
     BenchMode, CheckpointBenchArgs, ModelBenchArgs, ModelLoadArgs, ModelSynthArgs,

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
-use kvtier_bench::size::parse_size;
+use kvtier_bench::common::size::parse_size;
 use kvtier_store::KvCodec;
 use kvtier_trace::model_kv::ModelKv;
 use kvtier_trace::plan::{self, Hardware, Plan, PlanModel, Tiers};

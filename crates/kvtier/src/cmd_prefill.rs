@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvtier_server::PrefillOptions;
 
-use kvtier_bench::size::parse_size;
+use kvtier_bench::common::size::parse_size;
 
 use crate::remote_flags::RemoteFlags;
 

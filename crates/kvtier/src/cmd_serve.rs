@@ -9,7 +9,7 @@ use clap::Args;
 use kvtier_server::ServeOptions;
 use kvtier_server::conn_limits::ConnLimits;
 
-use kvtier_bench::size::parse_size;
+use kvtier_bench::common::size::parse_size;
 
 use crate::remote_flags::RemoteFlags;
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use kvtier_bench::size::parse_size;
+use kvtier_bench::common::size::parse_size;
 use kvtier_store::KvCodec;
 use kvtier_trace::model_kv::ModelKv;
 use kvtier_trace::prefix::PrefixTree;

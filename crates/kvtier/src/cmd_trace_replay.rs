@@ -7,9 +7,9 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use kvtier_bench::TextReport;
-use kvtier_bench::endpoint::{Endpoint, EndpointOptions};
 use kvtier_bench::replay::{self, Arrivals, ReplayOptions, Restart, Server, StartAt};
-use kvtier_bench::run_summary::Mode;
+use kvtier_bench::reporting::run_summary::Mode;
+use kvtier_bench::targets::endpoint::{Endpoint, EndpointOptions};
 use kvtier_trace::prompts::DEFAULT_IDS;
 
 use crate::cmd_trace::{TraceInput, read};
@@ -246,7 +246,7 @@ pub fn run(a: &ReplayArgs) -> Result<()> {
     let dir = a.out.clone().unwrap_or_else(|| {
         PathBuf::from("bench-results").join(format!(
             "trace-replay-{}",
-            kvtier_bench::report::timestamp_for_path(std::time::SystemTime::now())
+            kvtier_bench::reporting::report::timestamp_for_path(std::time::SystemTime::now())
         ))
     });
     let files = replay::write_results(&report, &dir)

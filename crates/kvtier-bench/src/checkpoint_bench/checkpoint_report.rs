@@ -4,9 +4,9 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::size::format_size;
-use crate::stats::format_samples;
-use crate::text_report::TextReport;
+use crate::common::size::format_size;
+use crate::reporting::stats::format_samples;
+use crate::reporting::text_report::TextReport;
 
 /// One writer's result.
 #[derive(Debug, Clone, Serialize)]

@@ -95,8 +95,8 @@ pub fn naive_save(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fill::{fill_random, random_state};
-    use crate::model_synth::plan_model;
+    use crate::common::fill::{fill_random, random_state};
+    use crate::models::model_synth::plan_model;
 
     fn t(name: &str, a: u64, b: u64) -> TensorInfo {
         TensorInfo {

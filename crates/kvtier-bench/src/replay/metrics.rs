@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::endpoint::Endpoint;
+use crate::targets::endpoint::Endpoint;
 
 /// Prompt tokens vLLM found in its own prefix cache and through its KV
 /// connector.

@@ -12,9 +12,9 @@ use kvtier_trace::server_sim::TierHits;
 use serde::Serialize;
 
 use crate::bench_error::BenchError;
-use crate::run_summary::{Mode, TierTokens};
-use crate::stats::{Percentiles, fraction};
-use crate::text_report::TextReport;
+use crate::reporting::run_summary::{Mode, TierTokens};
+use crate::reporting::stats::{Percentiles, fraction};
+use crate::reporting::text_report::TextReport;
 
 use super::metrics::Hits;
 use super::schedule::{Arrivals, Sent};
@@ -650,8 +650,8 @@ pub fn write_results(report: &ReplayReport, dir: &Path) -> Result<Vec<PathBuf>, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::endpoint::Completion;
-    use crate::run_summary::RequestRecord;
+    use crate::reporting::run_summary::RequestRecord;
+    use crate::targets::endpoint::Completion;
 
     fn sent(index: usize, at: f64, e2e: f64, prompt: usize, g1: usize, failed: bool) -> Sent {
         Sent {

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::endpoint::{Completion, Endpoint};
-use crate::progress::request_bar;
+use crate::common::progress::request_bar;
+use crate::targets::endpoint::{Completion, Endpoint};
 
 use super::Prepared;
 

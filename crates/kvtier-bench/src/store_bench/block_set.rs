@@ -12,8 +12,8 @@ use kvtier_store::block::encode_block;
 use kvtier_store::disk::{PutOutcome, ReadOutcome};
 use kvtier_store::{BlockKey, DiskTier, KvLayout, ModelFingerprint, StoreMetrics};
 
-use crate::device_limit::gbps;
-use crate::fill::stamp_pages;
+use crate::common::fill::stamp_pages;
+use crate::machine::device_limit::gbps;
 use kvtier_io::recycle::RecyclingAllocator;
 
 /// Bytes of encoded blocks handed to one `put_many` call (at most 64 blocks).

@@ -42,11 +42,11 @@ use super::chunk_blocks;
 use super::g4_report::G4BenchReport;
 use super::redis_benchmark::{RedisBenchmark, find_redis_benchmark, rb_target, rb_version};
 use super::slot_layout::{BYTES_PER_TOKEN, bench_layout, check_block_bytes};
-use crate::device_limit::gbps;
-use crate::fill::stamp_pages;
-use crate::progress::progress_bar;
-use crate::size::format_size;
-use crate::stats::median;
+use crate::common::fill::stamp_pages;
+use crate::common::progress::progress_bar;
+use crate::common::size::format_size;
+use crate::machine::device_limit::gbps;
+use crate::reporting::stats::median;
 
 /// The goal: G4 restore at this fraction of redis-benchmark GET throughput
 /// or more.

@@ -2,9 +2,9 @@
 
 use serde::Serialize;
 
-use crate::size::format_size;
-use crate::stats::format_samples;
-use crate::text_report::TextReport;
+use crate::common::size::format_size;
+use crate::reporting::stats::format_samples;
+use crate::reporting::text_report::TextReport;
 
 /// What `kvtier store bench --tier g4 --json` prints.
 #[derive(Debug, Clone, Serialize)]

@@ -31,12 +31,12 @@ use kvtier_io::{AlignedBuf, DIRECT_IO_ALIGN, HostAllocator, IoEngine, align_up, 
 
 use kvtier_io::recycle::RecyclingAllocator;
 
-use crate::device_limit::{DeviceLimit, limit_file_bytes};
-use crate::host::{CacheDrops, first_touch_gbps, settle};
-use crate::model_load::check_model_dir;
-use crate::progress::progress_bar;
-use crate::run_dirs::RunDirs;
-use crate::stats::{fraction, median, paired_fraction};
+use crate::common::progress::progress_bar;
+use crate::machine::device_limit::{DeviceLimit, limit_file_bytes};
+use crate::machine::host::{CacheDrops, first_touch_gbps, settle};
+use crate::machine::run_dirs::RunDirs;
+use crate::models::model_load::check_model_dir;
+use crate::reporting::stats::{fraction, median, paired_fraction};
 use loader_report::{KvtierIo, LoaderReport, ModelBenchReport, Skipped};
 use python_contenders::{PyLoader, Python};
 use rust_contenders::{self as lc, Loaded, NaivePool};
@@ -56,7 +56,7 @@ pub enum LoadModes {
 /// What the model bench measures (`kvtier model bench`).
 #[derive(Debug, Clone)]
 pub struct ModelBenchOptions {
-    /// Model directory (as for [`crate::model_load`]).
+    /// Model directory (as for [`crate::models::model_load`]).
     pub dir: PathBuf,
     /// Times to run every contender; the median is reported.
     pub repeat: u32,

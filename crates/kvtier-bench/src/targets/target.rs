@@ -2,8 +2,8 @@
 //! endpoint.
 
 use crate::bench_error::BenchError;
-use crate::report::{Mode, RequestRecord};
-use crate::workload::Session;
+use crate::cold_recovery::workload::Session;
+use crate::reporting::report::{Mode, RequestRecord};
 
 /// A system under test.
 pub trait Target: Sync {

@@ -10,7 +10,7 @@
 //! 3. **Pairs**, after the kvtier run at concurrency 1 (kvtier's engine in
 //!    process, which can drop a prefix again): each session restored, then
 //!    at once with its prefix in G1, for the TTFT against its two parts
-//!    ([`crate::overlap`]).
+//!    ([`crate::cold_recovery::overlap`]).
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,16 +19,16 @@ use std::time::Instant;
 use indicatif::ProgressBar;
 use kvtier_energy::{CostModel, MeterOptions, PowerMeter, best_meter};
 
-use crate::accuracy;
 use crate::bench_error::BenchError;
-use crate::gates::Gates;
-use crate::progress::request_bar;
-use crate::report::{
+use crate::cold_recovery::accuracy;
+use crate::cold_recovery::workload::{ColdRecoveryConfig, Session, sessions};
+use crate::common::progress::request_bar;
+use crate::reporting::gates::Gates;
+use crate::reporting::report::{
     BenchReport, MachineInfo, Mode, Overlap, RequestRecord, RunSummary, TierTokens, ratios,
 };
-use crate::stats::{Percentiles, percentile};
-use crate::target::Target;
-use crate::workload::{ColdRecoveryConfig, Session, sessions};
+use crate::reporting::stats::{Percentiles, percentile};
+use crate::targets::target::Target;
 
 /// Measurements the caller provides (they live with the I/O tools).
 pub struct Hooks<'a> {
@@ -343,7 +343,7 @@ pub fn run_cold_recovery(
 /// Each session once more as (restored, hot) twins, at concurrency 1: its
 /// prefix dropped as for a kvtier run (G1, G2 where the run drops it, and
 /// the page cache unless `cfg.pair_cache_drop` is off), then its request
-/// twice in a row, the second with the prefix in G1 ([`crate::overlap`]).
+/// twice in a row, the second with the prefix in G1 ([`crate::cold_recovery::overlap`]).
 /// Also says whether the page cache was dropped before every restored
 /// twin.
 fn overlap_pairs(

@@ -21,9 +21,9 @@ use kvtier_io::loader::{LoadStats, LoaderConfig, load_model_dir};
 use kvtier_io::safetensors::read_header;
 use serde::Serialize;
 
-use crate::progress::progress_bar;
-use crate::size::format_size;
-use crate::text_report::TextReport;
+use crate::common::progress::progress_bar;
+use crate::common::size::format_size;
+use crate::reporting::text_report::TextReport;
 
 /// What to load and how (`kvtier model load`).
 #[derive(Debug, Clone)]

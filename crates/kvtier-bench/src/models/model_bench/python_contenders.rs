@@ -22,7 +22,7 @@ use serde::Deserialize;
 use super::rust_contenders::Loaded;
 
 /// The helper script's text.
-pub const SCRIPT: &str = include_str!("../../../../scripts/bench-model-python.py");
+pub const SCRIPT: &str = include_str!("../../../../../scripts/bench-model-python.py");
 
 /// A Python contender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

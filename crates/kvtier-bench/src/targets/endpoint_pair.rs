@@ -6,10 +6,10 @@
 //! ([`Endpoint`]); neither server is switched or evicted from here.
 
 use crate::bench_error::BenchError;
-use crate::endpoint::Endpoint;
-use crate::report::{Mode, RequestRecord};
-use crate::target::Target;
-use crate::workload::Session;
+use crate::cold_recovery::workload::Session;
+use crate::reporting::report::{Mode, RequestRecord};
+use crate::targets::endpoint::Endpoint;
+use crate::targets::target::Target;
 
 /// A baseline server and a kvtier server behind one [`Target`].
 pub struct EndpointPair {

@@ -16,7 +16,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::run_summary::{Mode, RunSummary};
+use crate::reporting::run_summary::{Mode, RunSummary};
 
 /// What a gate measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]

@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use crate::stats::Percentiles;
+use crate::reporting::stats::Percentiles;
 
 /// Baseline (recompute) or kvtier (restore).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
@@ -57,11 +57,11 @@ pub struct RequestRecord {
     pub layer_wait_s: f64,
     /// Why it failed, if it did.
     pub error: Option<String>,
-    /// The generated tokens (in-process target; for [`crate::accuracy`]).
+    /// The generated tokens (in-process target; for [`crate::cold_recovery::accuracy`]).
     #[serde(skip)]
     pub tokens: Vec<u32>,
     /// Per generated token, the top-5 log probabilities, most likely first
-    /// (in-process target; for [`crate::accuracy`]).
+    /// (in-process target; for [`crate::cold_recovery::accuracy`]).
     #[serde(skip)]
     pub top_logprobs: Vec<Vec<f32>>,
 }

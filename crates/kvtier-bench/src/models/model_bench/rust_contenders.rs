@@ -217,7 +217,7 @@ mod tests {
     use kvtier_io::system_allocator;
 
     use super::*;
-    use crate::model_synth::{plan_model, write_model};
+    use crate::models::model_synth::{plan_model, write_model};
 
     #[test]
     fn touch_reads_one_word_per_page() {

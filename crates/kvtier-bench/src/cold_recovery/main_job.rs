@@ -22,20 +22,20 @@ use kvtier_engine::text::tokenizer::TextTokenizer;
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, open_device, write_preset};
 use kvtier_io::IoEngine;
 
-use crate::bench_dir;
 use crate::bench_error::{BenchError, Result, StepContext, fail};
-use crate::device_limit::DeviceLimit;
-use crate::endpoint::Endpoint;
-use crate::endpoint_pair::EndpointPair;
-use crate::gates::Gates;
-use crate::host;
-use crate::inproc::InProcess;
-use crate::plot::write_plots;
-use crate::report::BenchReport;
-use crate::report::MachineInfo;
-use crate::runner::{Hooks, RunOptions, run_cold_recovery};
-use crate::target::Target;
-use crate::workload::ColdRecoveryConfig;
+use crate::cold_recovery::bench_dir;
+use crate::cold_recovery::runner::{Hooks, RunOptions, run_cold_recovery};
+use crate::cold_recovery::workload::ColdRecoveryConfig;
+use crate::machine::device_limit::DeviceLimit;
+use crate::machine::host;
+use crate::reporting::gates::Gates;
+use crate::reporting::plot::write_plots;
+use crate::reporting::report::BenchReport;
+use crate::reporting::report::MachineInfo;
+use crate::targets::endpoint::Endpoint;
+use crate::targets::endpoint_pair::EndpointPair;
+use crate::targets::inproc::InProcess;
+use crate::targets::target::Target;
 
 /// What the main job runs (`kvtier bench`; `Default` is its defaults).
 #[derive(Debug, Clone)]
@@ -242,7 +242,7 @@ pub fn run_main_job(opts: &MainJobOptions) -> Result<MainJobOutcome> {
 }
 
 fn default_out_dir() -> PathBuf {
-    PathBuf::from("bench-results").join(crate::report::timestamp_for_path(
+    PathBuf::from("bench-results").join(crate::reporting::report::timestamp_for_path(
         std::time::SystemTime::now(),
     ))
 }

@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use crate::report::{RequestRecord, TierTokens};
+use crate::reporting::report::{RequestRecord, TierTokens};
 
 /// The `error.message` of an OpenAI-style error body, else the body itself
 /// (shortened).

@@ -65,9 +65,9 @@ use serde_json::{Value, json};
 use ureq::Agent;
 
 use crate::bench_error::BenchError;
-use crate::report::{Mode, RequestRecord};
-use crate::target::Target;
-use crate::workload::Session;
+use crate::cold_recovery::workload::Session;
+use crate::reporting::report::{Mode, RequestRecord};
+use crate::targets::target::Target;
 
 use self::sse::SseReader;
 use self::stream::{StreamState, error_message};

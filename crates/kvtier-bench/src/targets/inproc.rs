@@ -10,11 +10,11 @@ use kvtier_engine::serving::sampling::SamplingParams;
 use kvtier_engine::serving::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
 use kvtier_engine::text::tokenizer::TextTokenizer;
 
-use crate::accuracy::TOP_LOGPROBS;
 use crate::bench_error::BenchError;
-use crate::report::{Mode, RequestRecord, TierTokens};
-use crate::target::Target;
-use crate::workload::Session;
+use crate::cold_recovery::accuracy::TOP_LOGPROBS;
+use crate::cold_recovery::workload::Session;
+use crate::reporting::report::{Mode, RequestRecord, TierTokens};
+use crate::targets::target::Target;
 
 /// Longest a request may take before the client gives up on it.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);

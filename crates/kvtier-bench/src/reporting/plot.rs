@@ -17,7 +17,7 @@ use plotters::coord::Shift;
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
 
-use crate::report::{BenchReport, Mode, RunSummary};
+use crate::reporting::report::{BenchReport, Mode, RunSummary};
 
 /// File names of the plots, in the order [`write_plots`] returns them.
 pub const PLOT_FILES: [&str; 3] = [

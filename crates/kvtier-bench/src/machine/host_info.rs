@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use kvtier_io::{IoEngine, probe_direct};
 use serde::Serialize;
 
-use crate::host;
-use crate::size::format_size;
-use crate::text_report::TextReport;
+use crate::common::size::format_size;
+use crate::machine::host;
+use crate::reporting::text_report::TextReport;
 
 /// What `kvtier info --json` prints (field names are a contract).
 #[derive(Debug, Serialize)]

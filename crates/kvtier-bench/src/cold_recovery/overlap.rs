@@ -71,8 +71,8 @@
 
 use serde::Serialize;
 
-use crate::run_summary::RequestRecord;
-use crate::stats::percentile;
+use crate::reporting::run_summary::RequestRecord;
+use crate::reporting::stats::percentile;
 
 /// The restored TTFT against the larger of its two parts (module docs).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -178,7 +178,7 @@ impl Overlap {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::run_summary::TierTokens;
+    use crate::reporting::run_summary::TierTokens;
 
     /// A restored request (`bytes` from G3, 800 tokens cached) and its
     /// hot twin (`g1` tokens in G1).

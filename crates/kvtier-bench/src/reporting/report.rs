@@ -3,11 +3,13 @@
 
 use serde::Serialize;
 
-use crate::accuracy::Accuracy;
-use crate::gates::GateResult;
-pub use crate::overlap::Overlap;
-use crate::report_table::{Cell, Column, Table};
-pub use crate::run_summary::{Mode, Ratio, RequestRecord, RunSummary, TierTokens, ratios};
+use crate::cold_recovery::accuracy::Accuracy;
+pub use crate::cold_recovery::overlap::Overlap;
+use crate::reporting::gates::GateResult;
+use crate::reporting::report_table::{Cell, Column, Table};
+pub use crate::reporting::run_summary::{
+    Mode, Ratio, RequestRecord, RunSummary, TierTokens, ratios,
+};
 
 /// `2026-11-30T17-25-00Z`: an RFC 3339 UTC time usable as a directory name.
 pub fn timestamp_for_path(t: std::time::SystemTime) -> String {
@@ -74,10 +76,10 @@ pub struct BenchReport {
     /// endpoint).
     pub kv_offload_codec: String,
     /// Restored answers against recomputed ones at concurrency 1 (in
-    /// process only; [`crate::accuracy`]).
+    /// process only; [`crate::cold_recovery::accuracy`]).
     pub accuracy: Option<Accuracy>,
     /// The restored TTFT at concurrency 1 against the larger of the
-    /// restore and the suffix's compute ([`crate::overlap`]; measured in
+    /// restore and the suffix's compute ([`crate::cold_recovery::overlap`]; measured in
     /// process only, where the bench can drop a session's prefix again:
     /// an endpoint's server is run as it is).
     pub overlap: Option<Overlap>,

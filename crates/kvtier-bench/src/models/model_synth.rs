@@ -17,11 +17,11 @@ use kvtier_io::checkpoint::fsync_dir;
 use kvtier_io::loader::{INDEX_FILE, SINGLE_FILE};
 use kvtier_io::safetensors::{Dtype, TensorInfo, encode_header};
 
-use crate::fill::{fill_random, random_state};
-use crate::host::free_bytes;
-use crate::progress::progress_bar;
-use crate::size::format_size;
-use crate::text_report::TextReport;
+use crate::common::fill::{fill_random, random_state};
+use crate::common::progress::progress_bar;
+use crate::common::size::format_size;
+use crate::machine::host::free_bytes;
+use crate::reporting::text_report::TextReport;
 
 /// Largest tensor of a synthetic model.
 const MAX_TENSOR_BYTES: u64 = 32 << 20;

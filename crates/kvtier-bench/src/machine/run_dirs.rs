@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use crate::bench_error::{Result, StepContext, fail};
 
-use crate::host::free_bytes;
-use crate::size::format_size;
+use crate::common::size::format_size;
+use crate::machine::host::free_bytes;
 
 /// Headroom asked for on top of the block set (segment files, metadata,
 /// file-system overhead).

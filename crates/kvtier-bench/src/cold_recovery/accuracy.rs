@@ -26,7 +26,7 @@
 
 use serde::Serialize;
 
-use crate::run_summary::RequestRecord;
+use crate::reporting::run_summary::RequestRecord;
 
 /// Log probabilities compared per step.
 pub const TOP_LOGPROBS: usize = 5;
@@ -118,7 +118,7 @@ pub fn compare(reference: &[RequestRecord], restored: &[RequestRecord]) -> Optio
         return None;
     }
     acc.greedy_agreement_mean = sum / acc.requests as f64;
-    acc.reference_margin_p50 = crate::stats::percentile(&margins, 50.0).unwrap_or(0.0);
+    acc.reference_margin_p50 = crate::reporting::stats::percentile(&margins, 50.0).unwrap_or(0.0);
     acc.worst = format!("{}/{}", worst.0, worst.1);
     acc.worst_session = worst.3;
     Some(acc)
