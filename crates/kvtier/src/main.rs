@@ -13,14 +13,30 @@
 //! * `kvtier prefill`: compute a prompt's KV and leave it in the G4 pool.
 //! * `kvtier config --print-default`: `serve`'s whole config file.
 //! * `kvtier trace stats|sim`: public KV-cache traces through kvtier's own
-//!   tier policies beside LRU, FIFO and the offline optimum.
+//!   tier policies beside LRU, FIFO and the offline optimum; `kvtier trace
+//!   replay`: a trace against live servers.
 //! * `kvtier plan`: how much of each tier a trace needs for a model and a
 //!   machine, and the hit rate, TTFT, energy and cost it buys.
 //!
 //! Errors go to stderr with their causes, and the exit status is non-zero.
+//!
+//! What lives where:
+//!
+//! * The command line: every command and flag (`cli.rs`), the model and
+//!   checkpoint commands' flags (`cli_model.rs`), the G4 flags several
+//!   commands share (`remote_flags.rs`), and `serve`'s settings from flags,
+//!   environment and config file (`serve_config.rs`).
+//! * One file per command, each mapping its flags onto one library call:
+//!   `cmd_bench.rs`, `cmd_info.rs`, `cmd_model.rs`, `cmd_model_init.rs`,
+//!   `cmd_plan.rs`, `cmd_prefill.rs`, `cmd_serve.rs`, `cmd_store.rs`,
+//!   `cmd_trace.rs`, `cmd_trace_replay.rs`.
+//! * How a command prints its result, text or `--json` (`print_report.rs`).
 
 mod cli;
 mod cli_model;
+mod remote_flags;
+mod serve_config;
+
 mod cmd_bench;
 mod cmd_info;
 mod cmd_model;
@@ -31,9 +47,8 @@ mod cmd_serve;
 mod cmd_store;
 mod cmd_trace;
 mod cmd_trace_replay;
+
 mod print_report;
-mod remote_flags;
-mod serve_config;
 
 use std::process::ExitCode;
 
