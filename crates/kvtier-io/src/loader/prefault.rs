@@ -23,7 +23,7 @@ const STEP: usize = 4 << 20;
 /// hypervisor for a page (the reference VM's balloon takes freed RAM back),
 /// so several faults in flight get pages faster even on 2 vCPUs: four
 /// threads populated a fresh mapping several times faster than one
-/// (`examples/first_touch.rs` measures it; docs/decisions.md). The threads
+/// (`kvtier-lab first_touch` measures it; docs/decisions.md). The threads
 /// mostly wait, so more of them than cores is fine.
 pub(crate) const THREADS: usize = 4;
 

@@ -6,7 +6,7 @@
 //! stood waiting for restored layers. Rounds alternate the modes; medians
 //! printed.
 //!
-//! `cargo run --release -p kvtier-engine --example layer_restore_ttft --
+//! `cargo run --release -p kvtier-lab -- layer_restore_ttft
 //! [--model DIR] [--prefix 4096] [--suffix 1,64,256] [--rounds 5]
 //! [--kv-offload-codec none] [--device cpu|cuda:N] [--json]`
 //!
@@ -15,6 +15,7 @@
 
 use std::time::Instant;
 
+use kvtier_bench::reporting::stats::median;
 use kvtier_engine::{Engine, EngineError, EngineOptions, Preset, StoreOptions, write_preset};
 use kvtier_store::KvCodec;
 
@@ -28,7 +29,7 @@ struct Args {
     json: bool,
 }
 
-fn parse() -> Result<Args, String> {
+fn parse(args: Vec<String>) -> Result<Args, String> {
     let mut a = Args {
         model: None,
         prefix: 4096,
@@ -38,7 +39,7 @@ fn parse() -> Result<Args, String> {
         device: "cpu".into(),
         json: false,
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = args.into_iter();
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
@@ -66,11 +67,6 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 /// Drops G1 and G2 (and the page cache, where allowed): the prefix is
 /// then on disk only.
 fn to_disk_only(e: &mut Engine) -> Result<(), EngineError> {
@@ -92,11 +88,9 @@ fn timed(e: &mut Engine, prompt: &[u32]) -> Result<(f64, kvtier_engine::Prefill)
     Ok((ttft, out))
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvtier_engine::fix_cpu_threads(None) };
-    kvtier_engine::tune_host_allocator();
-    let args = parse()?;
+/// Runs the experiment: `args` are its flags.
+pub fn run(args: Vec<String>) -> Result<(), Box<dyn std::error::Error>> {
+    let args = parse(args)?;
     let tmp = std::env::temp_dir();
     let dir = match &args.model {
         Some(d) => d.clone(),
@@ -184,11 +178,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             suffix.push(ttft);
         }
         let (r, c, w, l, lw) = (
-            median(restore),
-            median(suffix),
-            median(whole),
-            median(layered),
-            median(waited),
+            median(&restore),
+            median(&suffix),
+            median(&whole),
+            median(&layered),
+            median(&waited),
         );
         rows.push((s, r, c, w, l, lw, restored_bytes));
     }

@@ -3,7 +3,7 @@
 //! a steady rate, as a prefill produces them.
 //!
 //! ```text
-//! cargo run --release -p kvtier-store --example g3_sync_bound -- \
+//! cargo run --release -p kvtier-lab -- g3_sync_bound \
 //!     [--sync-ms 1000] [--seconds 20] [--blocks-per-s 8] [--dir DIR]
 //! ```
 //!
@@ -18,6 +18,7 @@ use std::error::Error;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use kvtier_bench::reporting::stats::percentile;
 use kvtier_store::{
     BlockKey, DiskConfig, KeyChain, KvDtype, KvLayout, ModelFingerprint, StoreConfig, TieredStore,
 };
@@ -30,7 +31,7 @@ struct Args {
     json: bool,
 }
 
-fn args() -> Result<Args, Box<dyn Error>> {
+fn parse(args: Vec<String>) -> Result<Args, Box<dyn Error>> {
     let mut a = Args {
         sync_ms: 1000,
         seconds: 20,
@@ -38,7 +39,7 @@ fn args() -> Result<Args, Box<dyn Error>> {
         dir: None,
         json: false,
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = args.into_iter();
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
@@ -53,15 +54,9 @@ fn args() -> Result<Args, Box<dyn Error>> {
     Ok(a)
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
-
-fn main() -> Result<(), Box<dyn Error>> {
-    let a = args()?;
+/// Runs the experiment: `args` are its flags.
+pub fn run(args: Vec<String>) -> Result<(), Box<dyn Error>> {
+    let a = parse(args)?;
     let tmp = std::env::temp_dir().join(format!("kvtier-g3-sync-{}", std::process::id()));
     let dir = a.dir.clone().unwrap_or_else(|| tmp.clone());
     let layout = KvLayout::kv_major(8, 4, 64, 256, KvDtype::F32);
@@ -114,8 +109,8 @@ fn main() -> Result<(), Box<dyn Error>> {
     let lost = waiting.len();
     delays_ms.sort_by(f64::total_cmp);
     let (p50, p99, max) = (
-        percentile(&delays_ms, 0.5),
-        percentile(&delays_ms, 0.99),
+        percentile(&delays_ms, 50.0).unwrap_or(0.0),
+        percentile(&delays_ms, 99.0).unwrap_or(0.0),
         delays_ms.last().copied().unwrap_or(0.0),
     );
     drop(store);

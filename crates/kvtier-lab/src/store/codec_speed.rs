@@ -3,18 +3,20 @@
 //! copy into the engine's page). Beside them, the plain copy each replaces.
 //!
 //! ```sh
-//! cargo run --release -p kvtier-store --example codec_speed
+//! cargo run --release -p kvtier-lab -- codec_speed
 //! ```
 //!
 //! The block is the 100 M reference Llama's (12 layers x 4 KV heads x 64 head
 //! dim x 256 tokens, f32: 6 MiB), filled with normal-ish values whose rows
 //! differ in size by up to 10^6.
 
+use std::error::Error;
 use std::time::Instant;
 
 use kvtier_store::{KvCodec, KvDtype, KvLayout};
 
-fn main() {
+/// Runs the experiment (it reads no arguments).
+pub fn run(_args: Vec<String>) -> Result<(), Box<dyn Error>> {
     let layout = KvLayout::kv_major(12, 4, 64, 256, KvDtype::F32);
     let n = (layout.payload_bytes() / 4) as usize;
     let values: Vec<f32> = (0..n)
@@ -39,13 +41,13 @@ fn main() {
             let t = Instant::now();
             if let Err(e) = l.encode_into(0, &logical, &mut stored) {
                 eprintln!("{codec}: {e}");
-                return;
+                return Ok(());
             }
             let code = t.elapsed().as_secs_f64();
             let t = Instant::now();
             if let Err(e) = l.decode_into(&stored, 0, &mut back) {
                 eprintln!("{codec}: {e}");
-                return;
+                return Ok(());
             }
             let decode = t.elapsed().as_secs_f64();
             best = (best.0.min(code), best.1.min(decode));
@@ -59,4 +61,5 @@ fn main() {
             gbps(best.1)
         );
     }
+    Ok(())
 }

@@ -3,7 +3,7 @@
 //! decoding with no restore going on: does a restore stall decode?
 //!
 //! ```text
-//! cargo run --release -p kvtier-engine --example decode_beside_restore -- \
+//! cargo run --release -p kvtier-lab -- decode_beside_restore \
 //!     [--model DIR] [--tier g3|g4] [--remote redis://HOST:PORT] \
 //!     [--prefix-tokens 4096] [--restores 5] [--decoders 4] \
 //!     [--kv-offload-codec none|bf16|fp8-e4m3|int8] [--no-layerwise-restore] \
@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
+use kvtier_bench::reporting::stats;
 use kvtier_engine::serving::sampling::SamplingParams;
 use kvtier_engine::serving::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
 use kvtier_engine::{Engine, EngineOptions, Preset, StoreOptions, write_preset};
@@ -59,7 +60,7 @@ struct Args {
     json: bool,
 }
 
-fn parse_args() -> Result<Args, String> {
+fn parse_args(args: Vec<String>) -> Result<Args, String> {
     let mut a = Args {
         model: None,
         g4: false,
@@ -72,7 +73,7 @@ fn parse_args() -> Result<Args, String> {
         restore_yield: kvtier_engine::DEFAULT_RESTORE_YIELD,
         json: false,
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = args.into_iter();
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
@@ -140,27 +141,18 @@ fn engine(model: &Path, a: &Args, cache: &Path) -> Result<Engine, String> {
     Engine::load(model, opts, Some(store(a, cache))).map_err(|e| e.to_string())
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let rank = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
-    v[rank.min(v.len() - 1)]
+/// The `p`-th percentile (0..=100) of `v`; 0 for no samples.
+fn percentile(v: &[f64], p: f64) -> f64 {
+    stats::percentile(v, p).unwrap_or(0.0)
 }
 
-fn main() {
-    // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvtier_engine::fix_cpu_threads(None) };
-    kvtier_engine::tune_host_allocator();
-    if let Err(e) = run() {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+/// Runs the experiment: `args` are its flags.
+pub fn run(args: Vec<String>) -> Result<(), Box<dyn std::error::Error>> {
+    measure(args).map_err(Into::into)
 }
 
-fn run() -> Result<(), String> {
-    let a = parse_args()?;
+fn measure(args: Vec<String>) -> Result<(), String> {
+    let a = parse_args(args)?;
     let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
     let model = match &a.model {
         Some(m) => m.clone(),
@@ -288,16 +280,13 @@ fn run() -> Result<(), String> {
     drop(sched);
 
     let (nb, nd) = (gaps_base.len(), gaps_during.len());
-    let (b50, b99) = (
-        percentile(&mut gaps_base, 50.0),
-        percentile(&mut gaps_base, 99.0),
-    );
+    let (b50, b99) = (percentile(&gaps_base, 50.0), percentile(&gaps_base, 99.0));
     let (d50, d99) = (
-        percentile(&mut gaps_during, 50.0),
-        percentile(&mut gaps_during, 99.0),
+        percentile(&gaps_during, 50.0),
+        percentile(&gaps_during, 99.0),
     );
-    let mut ttfts: Vec<f64> = restores.iter().map(|r| r.1).collect();
-    let ttft50 = percentile(&mut ttfts, 50.0);
+    let ttfts: Vec<f64> = restores.iter().map(|r| r.1).collect();
+    let ttft50 = percentile(&ttfts, 50.0);
     let tier = if a.g4 { "g4" } else { "g3" };
     let cached: Vec<usize> = restores
         .iter()

@@ -11,12 +11,14 @@
 //! unmaps it. Rounds alternate the four ways; medians are printed.
 //!
 //! ```sh
-//! cargo run --release -p kvtier-io --example first_touch -- [GIB] [IDLE] [ROUNDS]   # 4 20 2
+//! cargo run --release -p kvtier-lab -- first_touch [GIB] [IDLE] [ROUNDS]   # 4 20 2
 //! ```
 
-use std::process::ExitCode;
+use std::error::Error;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+use kvtier_bench::reporting::stats::median;
 
 /// Bytes per piece, as the loader's prefault.
 const STEP: usize = 4 << 20;
@@ -92,8 +94,13 @@ fn arg<T: std::str::FromStr>(v: Option<String>, default: T, name: &str) -> Resul
     })
 }
 
-fn run() -> Result<(), String> {
-    let mut args = std::env::args().skip(1);
+/// Runs the experiment: `args` are `[GIB] [IDLE] [ROUNDS]`.
+pub fn run(args: Vec<String>) -> Result<(), Box<dyn Error>> {
+    measure(args).map_err(Into::into)
+}
+
+fn measure(args: Vec<String>) -> Result<(), String> {
+    let mut args = args.into_iter();
     let gib: usize = arg(args.next(), 4, "GIB")?;
     let idle: f64 = arg(args.next(), 20.0, "IDLE")?;
     let rounds: usize = arg(args.next(), 2, "ROUNDS")?;
@@ -125,7 +132,7 @@ fn run() -> Result<(), String> {
         println!(
             "{threads} thread(s) {:8} {:6.2} GB/s  ({})",
             name(populate),
-            g[g.len() / 2],
+            median(g),
             samples.join(" ")
         );
     }
@@ -134,14 +141,4 @@ fn run() -> Result<(), String> {
 
 fn name(populate: bool) -> &'static str {
     if populate { "populate" } else { "touch" }
-}
-
-fn main() -> ExitCode {
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("first_touch: {e}");
-            ExitCode::FAILURE
-        }
-    }
 }

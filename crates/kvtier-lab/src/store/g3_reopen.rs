@@ -5,7 +5,7 @@
 //! before the saved index).
 //!
 //! ```text
-//! cargo run --release -p kvtier-store --example g3_reopen -- \
+//! cargo run --release -p kvtier-lab -- g3_reopen \
 //!     [--gib 1,4,16] [--block-kib 64] [--dir DIR] [--json]
 //! ```
 //!
@@ -13,7 +13,7 @@
 //! payload (2 layers, 2 KV heads of 64, f32; one 4 KiB page more per slot),
 //! then drops it without a sync, which leaves the files as a kill -9 does
 //! (the writes are in the page cache, nothing is checkpointed). The work
-//! happens in a directory the example creates under `--dir` (default: the
+//! happens in a directory the experiment creates under `--dir` (default: the
 //! system's temporary directory) and removes at the end; nothing else is
 //! touched. Slot reads are direct I/O, so the scan reads the device, not
 //! the page cache.
@@ -35,14 +35,14 @@ struct Args {
     json: bool,
 }
 
-fn args() -> Result<Args, Box<dyn Error>> {
+fn parse(args: Vec<String>) -> Result<Args, Box<dyn Error>> {
     let mut a = Args {
         gib: vec![1, 4, 16],
         block_kib: 64,
         dir: std::env::temp_dir(),
         json: false,
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = args.into_iter();
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
@@ -151,8 +151,9 @@ fn measure(
     Ok((slots, killed, clean, scan))
 }
 
-fn main() -> Result<(), Box<dyn Error>> {
-    let a = args()?;
+/// Runs the experiment: `args` are its flags.
+pub fn run(args: Vec<String>) -> Result<(), Box<dyn Error>> {
+    let a = parse(args)?;
     let layout = KvLayout::kv_major(2, 2, 64, (a.block_kib / 2) as u32, KvDtype::F32);
     let root = a
         .dir

@@ -1,19 +1,17 @@
 //! Prefill and decode speed of a model directory (default: writes the
-//! `small` preset to a temp dir): `cargo run --release -p kvtier-engine
-//! --example speed -- [MODEL_DIR] [PROMPT_TOKENS] [DECODE_STEPS]`.
+//! `small` preset to a temp dir): `cargo run --release -p kvtier-lab --
+//! speed [MODEL_DIR] [PROMPT_TOKENS] [DECODE_STEPS]`.
 
+use std::error::Error;
 use std::time::Instant;
 
 use kvtier_engine::serving::sampling::argmax;
-use kvtier_engine::{Engine, EngineError, EngineOptions, Preset, write_preset};
+use kvtier_engine::{Engine, EngineOptions, Preset, write_preset};
 
-fn main() -> Result<(), EngineError> {
-    // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvtier_engine::fix_cpu_threads(None) };
-    kvtier_engine::tune_host_allocator();
-    let args: Vec<String> = std::env::args().collect();
+/// Runs the experiment: `args` are `[MODEL_DIR] [PROMPT_TOKENS] [DECODE_STEPS]`.
+pub fn run(args: Vec<String>) -> Result<(), Box<dyn Error>> {
     let tmp = std::env::temp_dir().join("kvtier-speed-small");
-    let dir = match args.get(1) {
+    let dir = match args.first() {
         Some(d) => std::path::PathBuf::from(d),
         None => {
             if !tmp.join("model.safetensors").exists() {
@@ -22,7 +20,7 @@ fn main() -> Result<(), EngineError> {
             tmp
         }
     };
-    let n: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2048);
+    let n: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2048);
     let t = Instant::now();
     let opts = EngineOptions {
         prefix_reuse: false,
@@ -40,7 +38,7 @@ fn main() -> Result<(), EngineError> {
         n as f64 / pf
     );
     let mut next = argmax(&p.logits);
-    let steps: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(32);
+    let steps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(32);
     let t = Instant::now();
     for _ in 0..steps {
         let l = e.decode(&[(p.seq, next)])?;

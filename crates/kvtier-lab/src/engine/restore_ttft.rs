@@ -1,20 +1,18 @@
 //! TTFT of one long prompt, recomputed vs restored from G3 (disk):
-//! `cargo run --release -p kvtier-engine --example restore_ttft -- [MODEL_DIR] [TOKENS] [CACHE_DIR]`.
+//! `cargo run --release -p kvtier-lab -- restore_ttft [MODEL_DIR] [TOKENS] [CACHE_DIR]`.
 //! Default: the `small` preset in a temp dir, 4096 tokens, a cache under the
 //! temp dir. Prints both TTFTs, the restored bytes, and the floor
 //! (bytes at the measured restore bandwidth + suffix compute).
 
+use std::error::Error;
 use std::time::Instant;
 
 use kvtier_engine::{Engine, EngineError, EngineOptions, Preset, StoreOptions, write_preset};
 
-fn main() -> Result<(), EngineError> {
-    // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvtier_engine::fix_cpu_threads(None) };
-    kvtier_engine::tune_host_allocator();
-    let args: Vec<String> = std::env::args().collect();
+/// Runs the experiment: `args` are `[MODEL_DIR] [TOKENS] [CACHE_DIR]`.
+pub fn run(args: Vec<String>) -> Result<(), Box<dyn Error>> {
     let tmp = std::env::temp_dir();
-    let dir = match args.get(1).filter(|s| !s.is_empty()) {
+    let dir = match args.first().filter(|s| !s.is_empty()) {
         Some(d) => std::path::PathBuf::from(d),
         None => {
             let d = tmp.join("kvtier-speed-small");
@@ -24,9 +22,9 @@ fn main() -> Result<(), EngineError> {
             d
         }
     };
-    let n: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(4096);
+    let n: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(4096);
     let cache = args
-        .get(3)
+        .get(2)
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| tmp.join(format!("kvtier-ttft-cache-{}", std::process::id())));
     let opts = EngineOptions {

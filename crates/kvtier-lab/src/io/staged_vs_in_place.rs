@@ -9,29 +9,30 @@
 //! the ratio near 1 while the copy engine outruns the disk.
 //!
 //! ```sh
-//! cargo run --release -p kvtier-io --example staged_vs_in_place -- MODEL_DIR [REPEATS]
+//! cargo run --release -p kvtier-lab -- staged_vs_in_place MODEL_DIR [REPEATS]
 //! ```
 
+use std::error::Error;
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvtier_bench::reporting::stats::median;
 use kvtier_io::loader::staged::{DEFAULT_RING, ThreadCopySink, load_shards_staged};
 use kvtier_io::loader::{LoaderConfig, load_shards, model_shards};
 use kvtier_io::recycle::RecyclingAllocator;
 use kvtier_io::{HostAllocator, IoEngine};
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
+/// Runs the experiment: `args` are `MODEL_DIR [REPEATS]`.
+pub fn run(args: Vec<String>) -> Result<(), Box<dyn Error>> {
+    measure(args).map_err(Into::into)
 }
 
-fn run() -> Result<(), String> {
-    let mut args = std::env::args().skip(1);
+fn measure(args: Vec<String>) -> Result<(), String> {
+    let mut args = args.into_iter();
     let dir = PathBuf::from(
         args.next()
-            .ok_or("usage: staged_vs_in_place MODEL_DIR [REPEATS]")?,
+            .ok_or("usage: kvtier-lab staged_vs_in_place MODEL_DIR [REPEATS]")?,
     );
     let repeats: usize = match args.next() {
         Some(n) => n.parse().map_err(|e| format!("REPEATS: {e}"))?,
@@ -71,7 +72,7 @@ fn run() -> Result<(), String> {
         b.push(gbps);
         queued = queued.max(q);
     }
-    let (ma, mb) = (median(a.clone()), median(b.clone()));
+    let (ma, mb) = (median(&a), median(&b));
     println!("in place GB/s: {a:.2?} median {ma:.2}");
     println!(
         "staged   GB/s: {b:.2?} median {mb:.2} (ring {DEFAULT_RING}, up to {queued} copies queued)"
@@ -81,14 +82,4 @@ fn run() -> Result<(), String> {
         if ma > 0.0 { mb / ma } else { 0.0 }
     );
     Ok(())
-}
-
-fn main() -> ExitCode {
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
 }

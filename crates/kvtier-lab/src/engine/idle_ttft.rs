@@ -5,7 +5,7 @@
 //! costs a forward pass that already uses every core).
 //!
 //! ```text
-//! cargo run --release -p kvtier-engine --example idle_ttft -- \
+//! cargo run --release -p kvtier-lab -- idle_ttft \
 //!     [--model DIR] [--prompt 769] [--max-tokens 16] [--gaps 0,5,50] [--rounds 15]
 //!     [--beside none,decode,copy,spin]
 //! ```
@@ -37,6 +37,7 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use kvtier_bench::reporting::stats::median;
 use kvtier_engine::serving::sampling::SamplingParams;
 use kvtier_engine::serving::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
 use kvtier_engine::{Engine, EngineOptions, Preset, write_preset};
@@ -110,11 +111,10 @@ impl SideWork {
             plain,
             spin: Duration::ZERO,
         };
-        let mut took: Vec<Duration> = (0..9)
-            .map(|_| w.run(Beside::Decode))
+        let took: Vec<f64> = (0..9)
+            .map(|_| w.run(Beside::Decode).map(|d| d.as_secs_f64()))
             .collect::<Result<_, _>>()?;
-        took.sort();
-        w.spin = took[took.len() / 2];
+        w.spin = Duration::from_secs_f64(median(&took));
         Ok(w)
     }
 
@@ -162,7 +162,7 @@ fn block_bytes(layout: &KvLayout) -> (usize, usize) {
 /// Tokens per KV block (and G1 page), as the bench's engine uses.
 const BLOCK_TOKENS: usize = 256;
 
-fn parse() -> Result<Args, String> {
+fn parse(args: Vec<String>) -> Result<Args, String> {
     let mut a = Args {
         model: None,
         prompt: 769,
@@ -171,7 +171,7 @@ fn parse() -> Result<Args, String> {
         rounds: 15,
         beside: vec![Beside::None],
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = args.into_iter();
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         let number = |v: String| v.trim().parse::<u64>().map_err(|e| format!("{flag}: {e}"));
@@ -238,11 +238,9 @@ fn ttft_ms(s: &Scheduler, prompt: &[u32], max_tokens: usize) -> Result<f64, Stri
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // SAFETY: first thing in main, before any thread starts.
-    unsafe { kvtier_engine::fix_cpu_threads(None) };
-    kvtier_engine::tune_host_allocator();
-    let a = parse()?;
+/// Runs the experiment: `args` are its flags.
+pub fn run(args: Vec<String>) -> Result<(), Box<dyn std::error::Error>> {
+    let a = parse(args)?;
     let tmp = tempfile::tempdir()?;
     let dir = match &a.model {
         Some(d) => d.clone(),
@@ -325,7 +323,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// (min, median, max) of samples (at least one).
-fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(f64::total_cmp);
-    (v[0], v[v.len() / 2], v[v.len() - 1])
+fn spread(v: Vec<f64>) -> (f64, f64, f64) {
+    let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (min, median(&v), max)
 }
