@@ -219,9 +219,9 @@ fn a_coded_store_restores_fewer_bytes_and_reports_its_accuracy() {
         );
         let acc = report.accuracy.as_ref().expect("measured at concurrency 1");
         assert_eq!((acc.requests, acc.tokens), (4, 12), "{acc:?}");
-        // The codec's error moves the log probabilities a little (0.0003
-        // bf16, 0.0005 int8, 0.004 fp8 on this model), never a lot. A
-        // random tiny model has near ties, so fp8 may flip a token.
+        // The codec's error moves the log probabilities a little (fp8 the
+        // most), never a lot. A random tiny model has near ties, so fp8 may
+        // flip a token.
         assert!(acc.max_abs_delta_logprob_top5 < 0.05, "{codec}: {acc:?}");
         for r in report.results.iter().filter(|r| r.mode == Mode::Kvtier) {
             assert_eq!(r.failed, 0);

@@ -2,12 +2,12 @@
 //! (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and the chat
 //! API's (`content: [{token, logprob, bytes, top_logprobs}]`).
 //!
-//! A token is shown as its own text (special tokens spelled out; a piece
-//! of a multi-byte character as U+FFFD), or, with vLLM's
-//! `return_tokens_as_token_ids`, as `token_id:<id>` so clients can tell
-//! tokens of equal text apart. Values are the raw model's log
-//! probabilities ([`kvtier_engine::serving::sampling`]); minus infinity, which JSON
-//! cannot carry, is written as -9999 (as vLLM does).
+//! A token is shown as its own text (special tokens spelled out; a piece of a
+//! multi-byte character as U+FFFD), or, with vLLM's
+//! `return_tokens_as_token_ids`, as `token_id:<id>` so clients can tell tokens
+//! of equal text apart. Values are the raw model's log probabilities
+//! ([`kvtier_engine::serving::sampling`]); minus infinity, which JSON cannot
+//! carry, is written as -9999 (as vLLM does).
 
 use kvtier_engine::serving::sampling::Sampled;
 use serde::Serialize;

@@ -20,17 +20,17 @@
 //!   the prompt's tail offered under its partial key, a finished sequence's
 //!   part-filled last page kept below its last full block.
 //! * **The store** (kvtier-store's `store/mod.rs`, `tier_reads.rs`,
-//!   `memory.rs`, `disk/slots.rs`, `write_back.rs`): what each scheduler
-//!   step registered is offered as one batch (each block's parent the one
-//!   before it in the batch); G2 counts every block, a tail's short block
-//!   too, as one slot's buffer ([`ServerShape::block_bytes`]) under the
-//!   store's own eviction policy
-//!   ([`EvictionKind::build`](kvtier_store::eviction::EvictionKind::build));
-//!   a lookup touches every G2 hit, reads G3 up to the first block no
-//!   tier holds and promotes G3 hits into G2; blocks G2 evicts that G3
-//!   lacks are written to G3's slots (weight 1 each, the same policy, no parents), 64 to a
-//!   batch; the admission filter and the write-back queue's bound as the
-//!   store applies them.
+//!   `memory.rs`, `disk/slots.rs`, `write_back.rs`): what each scheduler step
+//!   registered is offered as one batch (each block's parent the one before it
+//!   in the batch); G2 counts every block, a tail's short block too, as one
+//!   slot's buffer ([`ServerShape::block_bytes`]) under the store's own
+//!   eviction policy
+//!   ([`EvictionKind::build`](kvtier_store::eviction::EvictionKind::build)); a
+//!   lookup touches every G2 hit, reads G3 up to the first block no tier holds
+//!   and promotes G3 hits into G2; blocks G2 evicts that G3 lacks are written
+//!   to G3's slots (weight 1 each, the same policy, no parents), 64 to a batch;
+//!   the admission filter and the write-back queue's bound as the store applies
+//!   them.
 //! * **A clean restart** ([`ServerSim::restart`]): G1 and G2 start empty;
 //!   the blocks only G2 held are written to G3 (oldest first); G3 comes
 //!   back from its saved index, its policy refilled in slot order.

@@ -16,44 +16,37 @@
 //!   read limit, measured between runs: a floor, so the ratio never
 //!   flatters a slow read.
 //!
-//! The two of a pair run a fraction of a second apart. Taken a whole pass
-//! apart instead (the first version), they drifted more than the effect
-//! measured: one codec's ratio ranged 0.95 to 1.27 over four runs of one
-//! sitting, where paired runs agree within a few hundredths
-//! (docs/benchmarks.md). Every pair restores the whole prefix, the system
-//! prompt's blocks too, so it restores more than the run's requests after
-//! the first.
+//! The two of a pair run a fraction of a second apart. Taken a whole pass apart
+//! instead (the first version), they drifted more than the effect measured,
+//! from one run to the next, where paired runs agree closely
+//! (docs/decisions.md, "Contenders in the same run"). Every pair restores the
+//! whole prefix, the system prompt's blocks too, so it restores more than the
+//! run's requests after the first.
 //!
 //! `ratio` is the restored TTFT p50 over the larger of the two medians:
 //! 1.0 means the restore is wholly hidden.
 //!
 //! The in-process target also reports each twin's TTFT as the engine's
-//! scheduler timed it, to the first token being sampled
-//! (`server_ratio`, same definition). The client's TTFT ends when its
-//! thread has woken for the token; on the 2-vCPU reference VM that wake
-//! came a median 3.0 ms late after restored twins and at once after hot
-//! ones, until the scheduler yielded after each step; since, the two
-//! ratios agree to about 0.01 (docs/benchmarks.md, "Why the client woke
-//! late"). `ratio` stays the headline: a client is what sees a first
-//! token.
+//! scheduler timed it, to the first token being sampled (`server_ratio`, same
+//! definition). The client's TTFT ends when its thread has woken for the token;
+//! on a 2-vCPU VM that wake came late after restored twins and at once after
+//! hot ones, until the scheduler yielded after each step; since, the two ratios
+//! agree closely (docs/decisions.md, "The scheduler yields once after each
+//! step"). `ratio` stays the headline: a client is what sees a first token.
 //!
-//! What comes before each twin moves the ratio. The restored one follows
-//! the drop of G1, G2 and the page cache; the hot one follows the restored
-//! one at once. On the 2-vCPU reference VM, 50 ms of idle before both
-//! brought the ratio from about 1.15 to 1.04-1.11 (an idle server was 2-6
-//! ms slower to a hot first token), and a request right before the
-//! restored one raised it to 1.18-1.32 (docs/benchmarks.md, "What comes
-//! before each twin moves the ratio"). The page-cache drop itself favours
-//! the restored twin there. Without it (`kvtier bench
-//! --no-pair-cache-drop`: each restored twin right after the drop of G1
-//! and G2) the int8 ratio's median was 1.30 over 14 runs, against 1.18
-//! over 8 with it, alternated in one sitting, and the forward pass waited
-//! about twice as long for restored layers. `sync` alone, the drop alone,
-//! or 10 ms of sleep or spinning in its place did not do what both did,
-//! and G3 on tmpfs showed the same gap, so it is not the disk
-//! (docs/benchmarks.md, "What the page-cache drop does to the pairs"). A
-//! server that drops no cache is nearer the first figure. The protocol
-//! stays as it is, so figures compare across runs and machines, and
+//! What comes before each twin moves the ratio. The restored one follows the
+//! drop of G1, G2 and the page cache; the hot one follows the restored one at
+//! once. On a 2-vCPU VM, idle time before both lowered the ratio (an idle
+//! server was slower to a hot first token), and a request right before the
+//! restored one raised it. The page-cache drop itself favours the restored twin
+//! there: without it (`kvtier bench --no-pair-cache-drop`: each restored twin
+//! right after the drop of G1 and G2) the ratio was higher, alternated runs
+//! against runs with it, and the forward pass waited longer for restored
+//! layers. `sync` alone, the drop alone, or a sleep or spinning in its place
+//! did not do what both did, and G3 on tmpfs showed the same gap, so it is not
+//! the disk (docs/decisions.md, "The bench keeps its protocol"). A server that
+//! drops no cache is nearer the figure without the drop. The protocol stays as
+//! it is, so figures compare across runs and machines, and
 //! [`Overlap::page_cache_dropped`] says which one a figure used.
 //!
 //! What a restored request spends over its hot twin splits in two:
@@ -63,11 +56,11 @@
 //!   read not overlapped by compute, mostly layer 0's;
 //! * the rest: the forward pass ran slower beside the restore, whose own
 //!   CPU (the checks, the decode into G1) shares the cores and the memory
-//!   bus with it. On the 2-vCPU reference VM, work beside the forward
-//!   pass added about its own duration to the TTFT (docs/benchmarks.md,
-//!   "What work beside the forward pass costs it"). On a host whose
-//!   forward pass runs on an accelerator this part shrinks; the wait does
-//!   not.
+//!   bus with it. On a 2-vCPU VM, work beside the forward pass added about
+//!   its own duration to the TTFT (`kvtier-lab idle_ttft` measures it;
+//!   docs/decisions.md, "Layer by layer, when nothing else runs"). On a
+//!   host whose forward pass runs on an accelerator this part shrinks; the
+//!   wait does not.
 
 use serde::Serialize;
 

@@ -341,11 +341,10 @@ pub fn run_cold_recovery(
 }
 
 /// Each session once more as (restored, hot) twins, at concurrency 1: its
-/// prefix dropped as for a kvtier run (G1, G2 where the run drops it, and
-/// the page cache unless `cfg.pair_cache_drop` is off), then its request
-/// twice in a row, the second with the prefix in G1 ([`crate::cold_recovery::overlap`]).
-/// Also says whether the page cache was dropped before every restored
-/// twin.
+/// prefix dropped as for a kvtier run (G1, G2 where the run drops it, and the
+/// page cache unless `cfg.pair_cache_drop` is off), then its request twice in a
+/// row, the second with the prefix in G1 ([`crate::cold_recovery::overlap`]).
+/// Also says whether the page cache was dropped before every restored twin.
 fn overlap_pairs(
     target: &mut dyn Target,
     list: &[Session],

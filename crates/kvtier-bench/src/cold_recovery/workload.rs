@@ -24,10 +24,10 @@ pub struct ColdRecoveryConfig {
     pub evict_g2: bool,
     /// Text seed.
     pub seed: u64,
-    /// Drop the page cache before each restored twin of the concurrency-1
-    /// pairs ([`crate::cold_recovery::overlap`]), as before each kvtier run (the
-    /// default); off, each restored twin follows the drop of G1 and G2 at
-    /// once (`kvtier bench --no-pair-cache-drop`).
+    /// Drop the page cache before each restored twin of the concurrency-1 pairs
+    /// ([`crate::cold_recovery::overlap`]), as before each kvtier run (the
+    /// default); off, each restored twin follows the drop of G1 and G2 at once
+    /// (`kvtier bench --no-pair-cache-drop`).
     pub pair_cache_drop: bool,
 }
 

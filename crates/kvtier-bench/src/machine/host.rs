@@ -150,7 +150,7 @@ pub fn first_touch_gbps(bytes: usize) -> Result<f64, String> {
 }
 
 /// Waits `secs` seconds after freeing memory: a VM may hand freed RAM back
-/// to its host within about 2 s, after which touching fresh memory is slow;
+/// to its host within seconds, after which touching fresh memory is slow;
 /// a cold measurement should start from that state, not from a lucky one.
 pub fn settle(secs: f64) {
     if secs > 0.0 {

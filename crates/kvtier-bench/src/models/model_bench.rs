@@ -9,8 +9,8 @@
 //! `--settle-secs`, measure the device limit (O_DIRECT reads of the shards
 //! into buffers touched at the start: page cache and free memory stay as
 //! they are), then time the load. Measuring the limit right after a drop,
-//! without the settle, read 10-25 % low on the reference VM: the freed
-//! memory is handed back to the host during it.
+//! without the settle, read low on a VM that hands the freed memory back
+//! to its host during it.
 //!
 //! Contenders: `naive`, `mmap`, `kvtier` ([`rust_contenders`]) and,
 //! when Python is there, `python-safetensors` and `runai-streamer`

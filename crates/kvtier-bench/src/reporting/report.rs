@@ -78,10 +78,10 @@ pub struct BenchReport {
     /// Restored answers against recomputed ones at concurrency 1 (in
     /// process only; [`crate::cold_recovery::accuracy`]).
     pub accuracy: Option<Accuracy>,
-    /// The restored TTFT at concurrency 1 against the larger of the
-    /// restore and the suffix's compute ([`crate::cold_recovery::overlap`]; measured in
-    /// process only, where the bench can drop a session's prefix again:
-    /// an endpoint's server is run as it is).
+    /// The restored TTFT at concurrency 1 against the larger of the restore and
+    /// the suffix's compute ([`crate::cold_recovery::overlap`]; measured in
+    /// process only, where the bench can drop a session's prefix again: an
+    /// endpoint's server is run as it is).
     pub overlap: Option<Overlap>,
 }
 

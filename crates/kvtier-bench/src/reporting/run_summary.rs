@@ -57,7 +57,8 @@ pub struct RequestRecord {
     pub layer_wait_s: f64,
     /// Why it failed, if it did.
     pub error: Option<String>,
-    /// The generated tokens (in-process target; for [`crate::cold_recovery::accuracy`]).
+    /// The generated tokens (in-process target; for
+    /// [`crate::cold_recovery::accuracy`]).
     #[serde(skip)]
     pub tokens: Vec<u32>,
     /// Per generated token, the top-5 log probabilities, most likely first

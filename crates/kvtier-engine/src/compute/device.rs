@@ -78,10 +78,9 @@ pub(crate) fn host_paths(device: &Device) -> bool {
 ///
 /// Both candle's matmuls and the rayon pool read `RAYON_NUM_THREADS`, and
 /// candle asks for its thread count at every matmul; unless the variable is
-/// set, that counts the physical cores from `/proc/cpuinfo` each time
-/// (2,922 reads in the `speed` example's 2,048-token prefill and 32 decode
-/// steps; the kernel's formatting of that file was 3 % of the samples in a
-/// decode step on the reference VM). So the count is written to the
+/// set, that counts the physical cores from `/proc/cpuinfo` each time,
+/// thousands of reads in one prefill, and the kernel's formatting of that file
+/// showed up in a decode step's profile. So the count is written to the
 /// variable once, here.
 ///
 /// # Safety
@@ -103,17 +102,16 @@ pub unsafe fn fix_cpu_threads(threads: Option<usize>) {
 /// Keeps the memory of freed tensors in the process (glibc's allocator),
 /// so the next step reuses it instead of faulting fresh pages in.
 ///
-/// candle allocates every intermediate tensor anew. By default glibc
-/// serves blocks of 128 KiB and up (a prefill chunk's activations, its
-/// attention scores) with their own `mmap` and gives them back at `free`,
-/// and trims the top of its heaps, so each step faults its scratch memory
-/// in again: 10 % of a 2,048-token prefill's samples were page faults on
-/// the reference VM, where first touch is slow. With blocks up to 32 MiB
-/// (glibc's most) taken from the heap and the heap never trimmed, the
-/// prefill ran 170 -> 212 tok/s (76 M-parameter f32 model, 1 thread). The
-/// cost: memory a step once used stays with the process (a server's
-/// steady state). Larger blocks are still mapped per use. A no-op on other
-/// C libraries.
+/// candle allocates every intermediate tensor anew. By default glibc serves
+/// blocks of 128 KiB and up (a prefill chunk's activations, its attention
+/// scores) with their own `mmap` and gives them back at `free`, and trims the
+/// top of its heaps, so each step faults its scratch memory in again: page
+/// faults were a good part of a prefill's profile on a VM where first touch is
+/// slow. With blocks up to 32 MiB (glibc's most) taken from the heap and the
+/// heap never trimmed, prefill ran clearly faster (`kvtier-lab speed` shows
+/// it). The cost: memory a step once used stays with the process (a server's
+/// steady state). Larger blocks are still mapped per use. A no-op on other C
+/// libraries.
 pub fn tune_host_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {

@@ -4,14 +4,14 @@
 //! Why not candle's matmul here: a decode step reads every weight once for
 //! one row of activations, so it is bound by memory bandwidth, and the gemm
 //! crate behind candle neither splits an `m = 1` product over threads nor
-//! streams the weights at the bandwidth one core gets: on the reference VM
-//! a 76 M-parameter f32 model decoded 27-31 tok/s at 1 and 2 threads alike,
-//! where llama.cpp's dot-product kernels reach 36 and 55 (scripts/bench-llamacpp,
-//! docs/benchmarks.md). This kernel streams each weight row once through
+//! streams the weights at the bandwidth one core gets: through it a small
+//! f32 model decoded no faster at 2 threads than at 1, and slower than
+//! llama.cpp's dot-product kernels (scripts/bench-llamacpp,
+//! docs/results.md). This kernel streams each weight row once through
 //! FMA dot products (AVX-512 where the CPU has it, else AVX2) with every
-//! row of `x` (kept in L1), and splits the
-//! output rows over the CPU threads (`--threads`; [`crate::compute::parallel`]). Prefill chunks (many
-//! rows, compute-bound) stay on candle's packed gemm.
+//! row of `x` (kept in L1), and splits the output rows over the CPU threads
+//! (`--threads`; [`crate::compute::parallel`]). Prefill chunks (many rows,
+//! compute-bound) stay on candle's packed gemm.
 
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 
@@ -184,10 +184,10 @@ pub(crate) fn simd512() -> bool {
 
 /// Weight rows per pass of [`block_avx512`]: each 16-value piece of `x`
 /// is loaded once for all of them, and their streams are in flight at
-/// once. On an AVX-512 VM, decode against one row per pass: 4 rows 12-26 %
-/// faster at 1 thread and 17-22 % at 2, 8 rows about 2 % more again
-/// (docs/benchmarks.md, "AVX-512"). 8 rows keep 16 accumulators and the
-/// two `x` pieces in 32 vector registers.
+/// once. On an AVX-512 machine decode ran faster with 4 rows per pass than
+/// with one, and a little faster again with 8 (docs/decisions.md, "The
+/// engine"). 8 rows keep 16 accumulators and the two `x` pieces in 32
+/// vector registers.
 #[cfg(target_arch = "x86_64")]
 const ROWS_PER_PASS: usize = 8;
 
@@ -281,10 +281,9 @@ unsafe fn dots_avx512<const N: usize>(w: &[f32], k: usize, x: &[f32]) -> [f32; N
 }
 
 /// [`block`] with AVX2, one weight row at a time. (Four rows per pass,
-/// each `x` load feeding four FMAs, measured slower with AVX2 on the VM of
-/// 2026-11: 37 vs 40 tok/s at 1 thread, 56 vs 60 at 2, and so did a
-/// software prefetch 2 KiB ahead. With AVX-512, on the VM of 2026-12-04,
-/// rows per pass paid: [`ROWS_PER_PASS`].)
+/// each `x` load feeding four FMAs, decoded slower with AVX2, and so did a
+/// software prefetch ahead of the rows. With AVX-512 rows per pass paid:
+/// [`ROWS_PER_PASS`].)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn block_avx2(w: &[f32], k: usize, xs: &[f32], m: usize, out: &mut [f32]) {

@@ -1,25 +1,24 @@
 //! Splitting the decode step's work over the CPU threads.
 //!
-//! A decode step has about five parallel parts per layer, each a few
-//! hundred microseconds. Handed to rayon, each one woke a sleeping worker
-//! (and on a VM a halted virtual CPU) and waited for it: kvtier decoded at
-//! 0.78 of llama.cpp's speed at 2 threads through its server, where llama.cpp
-//! keeps its workers spinning between operations. So the parts run on a
-//! pool whose workers spin for a while after each part before they park,
-//! where the calling thread works too and every thread takes pieces from a
-//! shared cursor.
+//! A decode step has about five parallel parts per layer, each a few hundred
+//! microseconds. Handed to rayon, each one woke a sleeping worker (and on a VM
+//! a halted virtual CPU) and waited for it, and kvtier decoded well below
+//! llama.cpp's speed through its server, where llama.cpp keeps its workers
+//! spinning between operations. So the parts run on a pool whose workers spin
+//! for a while after each part before they park, where the calling thread works
+//! too and every thread takes pieces from a shared cursor.
 //!
-//! Why kvtier's own pool and not candle's barrier pool, which works that
-//! way too: candle's caller waits at a barrier for every worker, including
-//! one that has not started yet. On a busy machine a worker woken onto a
-//! core that another thread holds (the store's reader during a layer-wise
-//! restore, or an HTTP connection's task) is queued there until the next
-//! timer tick, and the caller, having done every piece itself, spins up to
-//! 4 ms for it (docs/benchmarks.md, "Why the client woke late"). Here a
+//! Why kvtier's own pool and not candle's barrier pool, which works that way
+//! too: candle's caller waits at a barrier for every worker, including one that
+//! has not started yet. On a busy machine a worker woken onto a core that
+//! another thread holds (the store's reader during a layer-wise restore, or an
+//! HTTP connection's task) is queued there until the next timer tick, and the
+//! caller, having done every piece itself, spins until that tick for it
+//! (docs/decisions.md, "kvtier's own pool for the decode step's parts"). Here a
 //! worker must *join* a part before it takes a piece, and the caller, once
-//! every piece is taken, closes the part: a worker that joined is waited
-//! for (it holds a piece), one that had not is not, and finds the part
-//! closed when it runs.
+//! every piece is taken, closes the part: a worker that joined is waited for
+//! (it holds a piece), one that had not is not, and finds the part closed when
+//! it runs.
 //!
 //! The protocol, on one atomic word (`state`): the part's number in the
 //! high 32 bits, a closed bit, and in the low 31 bits how many workers
@@ -67,9 +66,10 @@ struct Shared(*mut f32);
 // SAFETY: see `for_each_chunk`: threads write disjoint pieces only.
 unsafe impl Sync for Shared {}
 
-/// Rounds a worker spins on `state` after a part before it parks (the
-/// default of candle's barrier pool, whose timing docs/benchmarks.md
-/// measured: "An idle server's next first token").
+/// Rounds a worker spins on `state` after a part before it parks: the
+/// default of candle's barrier pool, which the decode step ran on before
+/// this pool (`kvtier-lab idle_ttft` measures what a limit does to an idle
+/// server's next first token).
 const SPIN_LIMIT: u32 = 25_000;
 
 /// The closed bit of `state`.

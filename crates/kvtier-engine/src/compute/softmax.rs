@@ -1,14 +1,13 @@
 //! The causal softmax of a prefill chunk's attention scores, in place,
 //! hand-written.
 //!
-//! Why: through candle a chunk's scores got a mask added (one more pass
-//! over `heads x t x keys` values) and then candle's softmax, which calls
-//! the C library's scalar `expf` for every score, masked ones included:
-//! 12 % of a 2,048-token prefill's time at 2 threads, with the mask add and
-//! its closures another 12 % (perf, 76 M-parameter model). Here each row
-//! is normalised over its visible keys only (causal, and inside the
-//! sliding window when the layer has one), with an 8-wide polynomial `exp`
-//! (Cephes' `expf`, a few ulp), the hidden keys set to zero, rows split
+//! Why: through candle a chunk's scores got a mask added (one more pass over
+//! `heads x t x keys` values) and then candle's softmax, which calls the C
+//! library's scalar `expf` for every score, masked ones included; in a profile
+//! of a long prefill the softmax and the mask add were a large share of the
+//! time. Here each row is normalised over its visible keys only (causal, and
+//! inside the sliding window when the layer has one), with an 8-wide polynomial
+//! `exp` (Cephes' `expf`, a few ulp), the hidden keys set to zero, rows split
 //! over the rayon pool.
 
 use candle_core::{CpuStorage, InplaceOp1, Layout};

@@ -68,8 +68,8 @@ pub struct Model {
 /// KV, so a layer-wise restore's wait overlaps that much of the layer.
 pub(crate) type LayerGate<'a> = &'a (dyn Fn(usize) + Sync);
 
-/// `x Wᵀ + b`: by the decode kernel for a few rows ([`crate::compute::gemv`]), by
-/// candle's gemm otherwise.
+/// `x Wᵀ + b`: by the decode kernel for a few rows ([`crate::compute::gemv`]),
+/// by candle's gemm otherwise.
 fn project(lin: &Linear, x: &Tensor) -> candle_core::Result<Tensor> {
     match crate::compute::gemv::linear(x, lin.weight(), lin.bias())? {
         Some(y) => Ok(y),

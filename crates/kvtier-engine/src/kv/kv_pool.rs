@@ -192,9 +192,8 @@ impl KvPool {
     /// strided view of the pool (no copy; a sequence's pages are mostly
     /// allocated in order); several runs are joined with one copy. Either
     /// way one matmul reads the whole context, where a matmul per page cost
-    /// more in per-operation overhead than in arithmetic (a 4,097-token
-    /// context, 17 pages, took about 45 ms per decode step on the
-    /// reference VM).
+    /// more in per-operation overhead than in arithmetic (docs/decisions.md,
+    /// "The engine").
     pub fn context(&self, layer: usize, pages: &[PageId], v: bool) -> candle_core::Result<Tensor> {
         let t = if v {
             &self.mem.v[layer]

@@ -373,11 +373,11 @@ impl Engine {
             .is_none_or(Handle::is_done)
     }
 
-    /// True once [`attach`](Self::attach) can take `id` without waiting
-    /// for all of its store read: a layer-wise restore ([`crate::kv::layer_restore`])
-    /// begun while `id` was the engine's only sequence, whose store knows
-    /// which blocks it will hand over. Its forward pass then waits for each
-    /// layer as it goes.
+    /// True once [`attach`](Self::attach) can take `id` without waiting for all
+    /// of its store read: a layer-wise restore ([`crate::kv::layer_restore`])
+    /// begun while `id` was the engine's only sequence, whose store knows which
+    /// blocks it will hand over. Its forward pass then waits for each layer as
+    /// it goes.
     pub fn restore_started(&self, id: SeqId) -> bool {
         self.seqs
             .get(&id)
@@ -610,8 +610,8 @@ impl Engine {
     /// zero, and takes what it copied off the budget. `Some` once every
     /// block is in G1. The scheduler spreads a long prefix's copies over its
     /// steps this way (a 4,096-token prefix of the `small` preset is 64 MiB,
-    /// about 4 ms of copying into the committed pool on the reference VM; a
-    /// 32,768-token one eight times that).
+    /// a short copy into the committed pool; a 32,768-token one eight times
+    /// that).
     pub fn attach_some(
         &mut self,
         id: SeqId,

@@ -54,17 +54,17 @@ pub struct EngineOptions {
     /// while later layers are still being read. Off: whole blocks are read,
     /// then copied into G1 between steps.
     pub layerwise_restore: bool,
-    /// How much a layer-wise restore read beside decoding sequences yields
-    /// the CPU to them: after decoding each piece into its pages, the
-    /// store's thread sleeps this many times as long as the piece took
-    /// (0: never). On a host with few cores the restore's checks and
-    /// copies otherwise land on the decode steps running beside them, and
-    /// the others' inter-token gaps grow by the restore's whole CPU time
-    /// (docs/benchmarks.md, "Decode beside a restore"); yielding spreads
-    /// that work over more steps, at the cost of the restoring request's
-    /// own TTFT. Its G4 blocks are then asked for one at a time, with the
-    /// same pause after each GET (`kvtier_store::LayerSink::yield_factor`).
-    /// A restore begun while the engine runs nothing else never yields.
+    /// How much a layer-wise restore read beside decoding sequences yields the
+    /// CPU to them: after decoding each piece into its pages, the store's
+    /// thread sleeps this many times as long as the piece took (0: never). On a
+    /// host with few cores the restore's checks and copies otherwise land on
+    /// the decode steps running beside them, and the others' inter-token gaps
+    /// grow by the restore's whole CPU time (docs/decisions.md, "A restore
+    /// beside decoders yields"); yielding spreads that work over more steps, at
+    /// the cost of the restoring request's own TTFT. Its G4 blocks are then
+    /// asked for one at a time, with the same pause after each GET
+    /// (`kvtier_store::LayerSink::yield_factor`). A restore begun while the
+    /// engine runs nothing else never yields.
     pub restore_yield: f64,
 }
 
@@ -242,9 +242,10 @@ impl Engine {
                     sc.disk = Some(DiskConfig::new(so.disk_dirs, so.disk_bytes, layout));
                 }
                 sc.remote = so.remote;
-                // Restores into resident memory (4,096-token restores beside
-                // 4 decoders: TTFT 0.24 -> 0.13 s, the decoders' ITL p50
-                // 44 -> 39 ms while they run; warm_buffers.rs).
+                // Restores into resident memory: fresh read buffers fault
+                // in on the restore path, which lengthened restores and the
+                // decoders' gaps beside them (docs/decisions.md, "Host
+                // memory: recycled, and warmed before the first restores").
                 sc.warm_read_buffers = true;
                 if let Some(every) = so.g3_sync {
                     sc.g3_sync = (!every.is_zero()).then_some(every);
@@ -504,8 +505,9 @@ impl Engine {
         let mut failed = None;
         for &(key, page, rows) in &pending {
             // A tail is stored with only its rows: restoring it then reads
-            // and checks those, not a whole block's (the `small` preset's
-            // concurrency-1 TTFT, docs/benchmarks.md).
+            // and checks those, not a whole block's, which a short prompt's
+            // concurrency-1 TTFT would otherwise pay for (docs/decisions.md,
+            // "Short tail blocks").
             let block = if rows < self.kv_layout.block_tokens {
                 store.new_short_block(rows)
             } else {

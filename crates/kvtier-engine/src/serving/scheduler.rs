@@ -3,11 +3,11 @@
 //! * **Arrivals join at the next step**: a request is admitted the moment it
 //!   comes (up to `max_batch` running); requests that come while others run
 //!   join them at the next step. So no batching window is needed, and by
-//!   default there is none (`max_wait` 0, as in vLLM and llama.cpp's
-//!   server): a window would only add its length to an idle server's first
-//!   TTFT (50 ms of a 0.2 s restore at concurrency 1). `max_wait` > 0 holds
-//!   an idle scheduler's first request up to that long for companions (the
-//!   "8 requests or 50 ms" of servers that prefill a batch at once).
+//!   default there is none (`max_wait` 0, as in vLLM and llama.cpp's server): a
+//!   window would only add its length to an idle server's first TTFT, a large
+//!   share of a restore's at concurrency 1. `max_wait` > 0 holds an idle
+//!   scheduler's first request up to that long for companions (the "8 requests
+//!   or 50 ms" of servers that prefill a batch at once).
 //! * **Continuous batching of decode**: every step runs one decode token of
 //!   every active sequence in one forward pass; finished sequences leave and
 //!   queued requests join between steps.
@@ -465,12 +465,12 @@ fn run(
             // HTTP connection's task). Yield once so they get a core before
             // the next step's forward pass fills every core again: else the
             // kernel may leave them queued behind this thread until its next
-            // tick (4 ms at 250 Hz). That happened most after a restore,
-            // whose reader had taken CPU time from this thread, which the
-            // kernel then let run on to make up for it: 10 of 32 restored
-            // first tokens reached the bench's client about 3 ms late, and
-            // no hot one (docs/benchmarks.md). Costs one system call a step
-            // when no one waits.
+            // tick. That happened most after a restore, whose reader had
+            // taken CPU time from this thread, which the kernel then let run
+            // on to make up for it: restored first tokens reached the bench's
+            // client late, hot ones did not (docs/decisions.md, "The
+            // scheduler yields once after each step"). Costs one system call
+            // a step when no one waits.
             std::thread::yield_now();
         }
     }
@@ -510,10 +510,10 @@ fn begin(engine: &mut Engine, q: Queued, wake: &Sender<Msg>) -> Option<Restoring
 }
 
 /// Bytes of restored blocks copied into G1 per scheduler step, for all
-/// restoring sequences together: about 4 ms of copying on the reference VM
-/// (into the pool's committed memory), a 4,096-token prefix of the `small`
-/// preset in one step; a longer prefix's copies are spread over the steps
-/// instead of stalling the decoders for one long copy.
+/// restoring sequences together: a short copy next to a decode step (into
+/// the pool's committed memory), a 4,096-token prefix of the `small` preset
+/// in one step; a longer prefix's copies are spread over the steps instead
+/// of stalling the decoders for one long copy.
 const ATTACH_BYTES_PER_STEP: u64 = 64 << 20;
 
 /// A request whose restored blocks are all in G1, ready to compute the

@@ -28,11 +28,11 @@
 //! the TTFT p50, min and max per pair, and the side work's own time. Default
 //! model: the embedded `small` preset in a temporary directory.
 //!
-//! The decode step's pool (`parallel.rs`) keeps its workers spinning for
-//! `SPIN_LIMIT` rounds after each part before they park; change it there to
-//! compare (docs/benchmarks.md, "An idle server's next first token", which
-//! measured the same limit on candle's barrier pool through
-//! `CANDLE_BARRIER_POOL_SPIN_LIMIT`).
+//! The decode step's pool (kvtier-engine's `compute/parallel.rs`) keeps its
+//! workers spinning for `SPIN_LIMIT` rounds after each part before they park;
+//! change it there to compare (candle's barrier pool, which the engine used
+//! before, takes the same limit from `CANDLE_BARRIER_POOL_SPIN_LIMIT`;
+//! docs/decisions.md, "kvtier's own pool for the decode step's parts").
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};

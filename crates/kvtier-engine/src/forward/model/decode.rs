@@ -1,20 +1,19 @@
 //! The decode step, hand-written: one new token for each of a few
 //! sequences, on the CPU, without candle's tensor operations.
 //!
-//! Why: a decode step is a few hundred small operations on vectors of a
-//! few thousand values plus one pass over every weight. Through candle each
-//! of those operations allocates a tensor and goes through its dispatch,
-//! which cost about as much as the arithmetic, and its attention gathered
-//! every page of the context into one tensor (a copy that grew with the
-//! context and with the number of pages) before two matmuls. Here the
-//! projections are [`crate::compute::gemv`]'s streaming dot products, the norms,
-//! RoPE and SwiGLU are plain loops over host vectors, the new K/V goes
-//! straight into its page, and attention walks the sequence's page table in
-//! place with an online softmax (no gather, no score matrix), so its cost
-//! is the context's bytes whatever the page size. Work is split over the
-//! CPU threads ([`crate::compute::parallel`]) by output rows (projections) and by
-//! (sequence, KV head)
-//! (attention).
+//! Why: a decode step is a few hundred small operations on vectors of a few
+//! thousand values plus one pass over every weight. Through candle each of
+//! those operations allocates a tensor and goes through its dispatch, which
+//! cost about as much as the arithmetic, and its attention gathered every page
+//! of the context into one tensor (a copy that grew with the context and with
+//! the number of pages) before two matmuls. Here the projections are
+//! [`crate::compute::gemv`]'s streaming dot products, the norms, RoPE and
+//! SwiGLU are plain loops over host vectors, the new K/V goes straight into its
+//! page, and attention walks the sequence's page table in place with an online
+//! softmax (no gather, no score matrix), so its cost is the context's bytes
+//! whatever the page size. Work is split over the CPU threads
+//! ([`crate::compute::parallel`]) by output rows (projections) and by
+//! (sequence, KV head) (attention).
 //!
 //! The results equal the candle path's up to float rounding (tested
 //! below), and `transformers`' within the reference tests' tolerance

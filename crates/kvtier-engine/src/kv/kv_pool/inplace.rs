@@ -8,12 +8,12 @@ use kvtier_store::KvLayout;
 /// Writes every page of a CPU tensor's memory once (with zeros), so the
 /// pool is resident from the start.
 ///
-/// A zeroed allocation is only reserved: each 4 KiB page faults in on its
-/// first write. Left lazy, those faults land on the scheduler thread when a
-/// restored prefix is first copied into fresh pages: 16 MiB of attach took
-/// 7-8 ms on the reference VM, 1 ms once resident. Committing the pool up
-/// front (as llama.cpp clears its KV buffer at start) costs the same faults
-/// once, at load, and fails early when the memory is not there.
+/// A zeroed allocation is only reserved: each 4 KiB page faults in on its first
+/// write. Left lazy, those faults land on the scheduler thread when a restored
+/// prefix is first copied into fresh pages, and on a VM where first touch is
+/// slow they took most of the attach's time. Committing the pool up front (as
+/// llama.cpp clears its KV buffer at start) costs the same faults once, at
+/// load, and fails early when the memory is not there.
 pub(super) struct Commit;
 
 impl InplaceOp1 for Commit {
