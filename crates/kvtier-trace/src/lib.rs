@@ -8,7 +8,7 @@
 //! * Reading traces
 //!   * [`trace`]: the common event stream ([`Trace`], [`Request`]) and
 //!     [`read`], which picks a reader by [`Format`].
-//!   * [`format`]: one reader per trace format.
+//!   * [`format`](mod@format): one reader per trace format.
 //!   * [`prefix`]: a trace's blocks as nodes of one prefix tree.
 //!   * [`stats`]: what `kvtier trace stats` prints.
 //! * Simulating tiers

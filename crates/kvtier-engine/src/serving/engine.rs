@@ -148,7 +148,7 @@ pub struct Prefill {
     /// Seconds spent restoring from the store (lookup, reads, copies).
     pub restore_seconds: f64,
     /// Seconds the forward pass waited for restored layers to land
-    /// ([`Attached::layer_wait_seconds`]).
+    /// ([`Attached::layer_wait_seconds`](crate::Attached::layer_wait_seconds)).
     pub layer_wait_seconds: f64,
     /// Prompt tokens computed.
     pub computed_tokens: usize,

@@ -20,7 +20,8 @@ impl TierHits {
     }
 }
 
-/// Where the store holds one block ([`ServerSim::store_places`]).
+/// Where the store holds one block
+/// ([`ServerSim::store_places`](super::ServerSim::store_places)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BlockPlace {
     /// G2 holds it.

@@ -9,8 +9,9 @@ use kvtier_store::eviction::EvictionKind;
 /// in its labels.
 pub const KV_CACHE_INFO: &str = "kvtier_server_kv_cache_info";
 
-/// What a `kvtier serve` instance's cache is: everything [`ServerSim`]
-/// needs. [`from_metrics`](Self::from_metrics) reads it from the server.
+/// What a `kvtier serve` instance's cache is: everything
+/// [`ServerSim`](super::ServerSim) needs. [`from_metrics`](Self::from_metrics)
+/// reads it from the server.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerShape {
     /// Tokens per G1 page and per store block.
