@@ -155,7 +155,7 @@ fn round_even(x: f32) -> f32 {
 ///
 /// Hand-written: float8's `F8E4M3::from_f32` (which the tests hold this to,
 /// value by value) goes through f64 and a general converter, too slow for
-/// the engine's offload path (`examples/codec_speed.rs` times both); this
+/// the engine's offload path (`kvtier-lab codec_speed` times both); this
 /// is the same rounding in integer steps the compiler vectorizes.
 #[inline]
 fn fp8_bits(x: f32) -> u8 {
