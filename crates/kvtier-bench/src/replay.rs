@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 use kvtier_energy::{MeterOptions, best_meter};
 use kvtier_trace::Trace;
 use kvtier_trace::prompts::PromptBuilder;
-use kvtier_trace::server_sim::{ServerShape, ServerSim, TierHits};
+use kvtier_trace::server_sim::{ServerShape, ServerSim, TierTokens};
 
 use crate::bench_error::BenchError;
 use crate::reporting::run_summary::Mode;
@@ -380,7 +380,7 @@ fn predict(
     requests: &[Prepared],
     sent: &[schedule::Sent],
     split: Option<usize>,
-) -> Result<Vec<TierHits>, String> {
+) -> Result<Vec<TierTokens>, String> {
     let mut sim = ServerSim::new(shape)?;
     let mut order: Vec<&schedule::Sent> = sent.iter().collect();
     order.sort_by(|a, b| {
@@ -388,7 +388,7 @@ fn predict(
             .total_cmp(&b.sent_at_s)
             .then(a.index.cmp(&b.index))
     });
-    let mut out = vec![TierHits::default(); requests.len()];
+    let mut out = vec![TierTokens::default(); requests.len()];
     let mut restarted = split.is_none();
     for s in order {
         if !restarted && split.is_some_and(|k| s.index >= k) {

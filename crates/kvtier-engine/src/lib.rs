@@ -45,8 +45,9 @@ pub use compute::device::cuda_stream;
 pub use compute::device::{fix_cpu_threads, open_device, tune_host_allocator};
 pub use engine_error::EngineError;
 pub use kv::prefix_restore::Attached;
+pub use kvtier_store::TierTokens;
 pub use model_dir::model_config::ModelConfig;
 pub use model_dir::preset::{Preset, write_preset};
 pub use serving::engine::{
-    CachedTokens, DEFAULT_RESTORE_YIELD, Engine, EngineOptions, Prefill, SeqId, Step, StoreOptions,
+    DEFAULT_RESTORE_YIELD, Engine, EngineOptions, Prefill, SeqId, Step, StoreOptions,
 };

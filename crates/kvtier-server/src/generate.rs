@@ -11,14 +11,14 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvtier_engine::CachedTokens;
+use kvtier_engine::TierTokens;
 use kvtier_engine::serving::sampling::Sampled;
 use kvtier_engine::serving::scheduler::{EventSink, GenerateEvent, GenerateRequest};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api_error::ApiError;
 use crate::app_state::AppState;
-use crate::openai::{KvtierExtras, PromptTokensDetails, TierTokens, Usage};
+use crate::openai::{KvtierExtras, PromptTokensDetails, Usage};
 use crate::server_metrics::ServerMetrics;
 use crate::text_stream::{Detokenizer, StopMatcher, StopOutcome};
 use crate::validate::Plan;
@@ -29,7 +29,7 @@ pub struct Started {
     /// Prompt tokens.
     pub prompt_tokens: usize,
     /// Prompt tokens served from cache, by tier.
-    pub cached: CachedTokens,
+    pub cached: TierTokens,
     /// Seconds from the HTTP request's arrival to the first token.
     pub ttft_seconds: f64,
     /// Seconds from the scheduler's receipt to the first token.
@@ -229,14 +229,8 @@ impl Generation {
 
     /// kvtier's additions to the response.
     pub fn extras(&self) -> KvtierExtras {
-        let c = self.started.cached;
         KvtierExtras {
-            cached_tokens: TierTokens {
-                g1: c.g1,
-                g2: c.g2,
-                g3: c.g3,
-                g4: c.g4,
-            },
+            cached_tokens: self.started.cached,
             ttft_seconds: self.started.ttft_seconds,
             engine_ttft_seconds: self.started.engine_ttft_seconds,
             restored_bytes: self.started.restored_bytes,

@@ -132,18 +132,7 @@ pub struct Usage {
     pub prompt_tokens_details: PromptTokensDetails,
 }
 
-/// Cached prompt tokens by tier.
-#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
-pub struct TierTokens {
-    /// From G1 (the engine's page pool).
-    pub g1: usize,
-    /// From G2 (host memory).
-    pub g2: usize,
-    /// From G3 (disk).
-    pub g3: usize,
-    /// From G4 (the pool shared by nodes).
-    pub g4: usize,
-}
+pub use kvtier_store::TierTokens;
 
 /// kvtier's additions to a response (the `kvtier` field).
 #[derive(Debug, Clone, Copy, Serialize, PartialEq)]

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvtier_engine::serving::scheduler::SchedulerSnapshot;
-use kvtier_engine::{CachedTokens, Engine};
+use kvtier_engine::{Engine, TierTokens};
 use kvtier_store::eviction::EvictionKind;
 use kvtier_store::{MetricsFormat, StoreConfig, StoreMetrics, TieredStore};
 use prometheus_client::encoding::text::encode;
@@ -300,7 +300,7 @@ impl ServerMetrics {
     }
 
     /// Records an admitted prompt and where its cached part came from.
-    pub fn record_prompt(&self, prompt_tokens: usize, cached: CachedTokens, restored: u64) {
+    pub fn record_prompt(&self, prompt_tokens: usize, cached: TierTokens, restored: u64) {
         self.prompt_tokens.inc_by(prompt_tokens as u64);
         for (tier, n) in [
             ("g1", cached.g1),
@@ -378,7 +378,7 @@ mod tests {
         m.count_request("/v1/completions", 200);
         m.record_prompt(
             100,
-            CachedTokens {
+            TierTokens {
                 g1: 16,
                 g2: 32,
                 g3: 0,

@@ -51,6 +51,6 @@ pub mod server_sim;
 // Errors.
 mod trace_error;
 
-pub use server_sim::{ServerShape, ServerSim, TierHits};
+pub use server_sim::{ServerShape, ServerSim, TierTokens};
 pub use trace::{Format, Request, Trace, read};
 pub use trace_error::TraceError;

@@ -81,7 +81,7 @@ mod store;
 mod tests;
 
 use self::g1::{Key, KeyNames, Page, Pool, PrefixIndex, SEED};
-pub use self::outcome::{BlockPlace, Ending, RequestError, SimStats, TierHits};
+pub use self::outcome::{BlockPlace, Ending, RequestError, SimStats, TierTokens};
 pub use self::shape::{KV_CACHE_INFO, ServerShape};
 use self::store::{Store, Tier};
 
@@ -227,10 +227,10 @@ impl ServerSim {
     /// prompt too long say, never reaches the cache). A request the server
     /// would fail ([`try_request`](Self::try_request)) reports what its
     /// prefix restore found.
-    pub fn request(&mut self, prompt: &[u32], output: &[u32]) -> TierHits {
+    pub fn request(&mut self, prompt: &[u32], output: &[u32]) -> TierTokens {
         match self.try_request(prompt, output, Ending::Length) {
             Ok(hits) | Err(RequestError::PoolExhausted { hits }) => hits,
-            Err(RequestError::EmptyPrompt) => TierHits::default(),
+            Err(RequestError::EmptyPrompt) => TierTokens::default(),
         }
     }
 
@@ -241,7 +241,7 @@ impl ServerSim {
         prompt: &[u32],
         output: &[u32],
         ending: Ending,
-    ) -> Result<TierHits, RequestError> {
+    ) -> Result<TierTokens, RequestError> {
         if prompt.is_empty() {
             return Err(RequestError::EmptyPrompt);
         }
@@ -254,7 +254,7 @@ impl ServerSim {
             tail_stored: false,
         };
         let reusable = prompt.len() - 1;
-        let mut hits = TierHits::default();
+        let mut hits = TierTokens::default();
         let restore = match self.shape.prefix_reuse {
             true => self.find_cached(&mut seq, &mut hits),
             false => None,
@@ -335,7 +335,7 @@ impl ServerSim {
     /// `Engine::begin`'s look for the prompt's prefix: G1's pages by key,
     /// then one store read of the rest with the tail, or the tail from a
     /// G1 page when G1 holds all of it.
-    fn find_cached(&mut self, seq: &mut Seq, hits: &mut TierHits) -> Option<Restore> {
+    fn find_cached(&mut self, seq: &mut Seq, hits: &mut TierTokens) -> Option<Restore> {
         let bt = self.shape.block_tokens;
         let reusable = seq.tokens.len() - 1;
         let full = reusable / bt;
@@ -442,7 +442,7 @@ impl ServerSim {
         seq: &mut Seq,
         (keys, tail, tiers): (Vec<Key>, Option<(Key, usize)>, Vec<Tier>),
         pages: Vec<Page>,
-        hits: &mut TierHits,
+        hits: &mut TierTokens,
     ) -> Settle {
         let bt = self.shape.block_tokens;
         let first = seq.table.len();
@@ -496,7 +496,7 @@ impl ServerSim {
 
     /// `Engine::attach_some` of a whole-block read: each block found into
     /// a fresh page (and G1's index), until a page is not to be had.
-    fn attach_blocks(&mut self, seq: &mut Seq, r: Restore, hits: &mut TierHits) {
+    fn attach_blocks(&mut self, seq: &mut Seq, r: Restore, hits: &mut TierTokens) {
         let bt = self.shape.block_tokens;
         for (&key, &tier) in r.keys.iter().zip(&r.tiers) {
             let tail_len = r.tail.filter(|(k, _)| *k == key).map(|(_, n)| n);
@@ -673,7 +673,7 @@ impl ServerSim {
 }
 
 /// Counts `tokens` restored from `tier`.
-fn count(hits: &mut TierHits, tier: Tier, tokens: usize) {
+fn count(hits: &mut TierTokens, tier: Tier, tokens: usize) {
     match tier {
         Tier::G2 => hits.g2 += tokens,
         Tier::G3 => hits.g3 += tokens,

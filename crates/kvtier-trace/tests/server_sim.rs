@@ -29,12 +29,12 @@ use std::time::{Duration, Instant};
 
 use kvtier_engine::serving::scheduler::{BatchConfig, GenerateEvent, GenerateRequest, Scheduler};
 use kvtier_engine::{
-    CachedTokens, Engine, EngineOptions, ModelConfig, Preset, StoreOptions, write_preset,
+    Engine, EngineOptions, ModelConfig, Preset, StoreOptions, TierTokens, write_preset,
 };
 use kvtier_server::ServeOptions;
 use kvtier_store::eviction::EvictionKind;
 use kvtier_store::{BlockKey, KeyChain, KvCodec, Recovery, TieredStore};
-use kvtier_trace::server_sim::{BlockPlace, ServerShape, ServerSim, SimStats, TierHits};
+use kvtier_trace::server_sim::{BlockPlace, ServerShape, ServerSim, SimStats};
 
 const BLOCK_TOKENS: usize = 16;
 const G1_PAGES: usize = 10;
@@ -132,7 +132,7 @@ impl Served {
 
     /// One request, greedy, `max_tokens` generated whatever they are (no
     /// stop token: `ignore_eos`): what it found cached, and its tokens.
-    fn request(&self, prompt: &[u32], max_tokens: usize) -> (CachedTokens, Vec<u32>) {
+    fn request(&self, prompt: &[u32], max_tokens: usize) -> (TierTokens, Vec<u32>) {
         let (tx, rx) = mpsc::channel();
         assert!(self.scheduler.submit(GenerateRequest {
             prompt: prompt.to_vec(),
@@ -348,19 +348,15 @@ impl Workload {
     }
 }
 
-fn hits(c: CachedTokens) -> TierHits {
+fn hits(c: TierTokens) -> TierTokens {
     assert_eq!(c.g4, 0, "no G4");
-    TierHits {
-        g1: c.g1,
-        g2: c.g2,
-        g3: c.g3,
-    }
+    c
 }
 
 /// What a replay saw.
 struct Replayed {
     /// Cached prompt tokens of every request, by tier.
-    by_tier: TierHits,
+    by_tier: TierTokens,
     /// Requests with a prompt tail from the store (fewer tokens than a
     /// block).
     store_tails: usize,
@@ -383,7 +379,7 @@ fn replay(g2_blocks: u64, g3_slots: u64, restarts: &[usize]) -> Replayed {
     let mut served = Served::start(&model, &cache, &shape);
     let mut work = Workload::new();
     let requests = 120;
-    let mut by_tier = TierHits::default();
+    let mut by_tier = TierTokens::default();
     // Store hits of a prompt's tail: fewer tokens than a block.
     let mut store_tails = 0;
     let mut g3_after_restart = 0;

@@ -8,7 +8,6 @@
 use std::path::{Path, PathBuf};
 
 use kvtier_trace::Trace;
-use kvtier_trace::server_sim::TierHits;
 use serde::Serialize;
 
 use crate::bench_error::BenchError;
@@ -255,7 +254,7 @@ impl RunReport {
         window: usize,
         wall_s: f64,
         joules: f64,
-        predicted: Option<&[TierHits]>,
+        predicted: Option<&[TierTokens]>,
         vllm_counters: Option<Hits>,
         restart_error: Option<String>,
         prediction_note: Option<String>,
@@ -354,7 +353,7 @@ pub struct RequestLine {
     /// Hit tokens per tier, as the server reported them.
     pub hit_tokens: TierTokens,
     /// The simulator's hit tokens per tier.
-    pub predicted: Option<TierHits>,
+    pub predicted: Option<TierTokens>,
     /// Why it failed.
     pub error: Option<String>,
 }
@@ -364,7 +363,7 @@ impl RequestLine {
         run: &RunReport,
         requests: &[Prepared],
         sent: &[Sent],
-        predicted: Option<&[TierHits]>,
+        predicted: Option<&[TierTokens]>,
     ) -> Vec<Self> {
         sent.iter()
             .map(|s| {

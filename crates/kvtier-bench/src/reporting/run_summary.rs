@@ -67,34 +67,7 @@ pub struct RequestRecord {
     pub top_logprobs: Vec<Vec<f32>>,
 }
 
-/// Tokens per tier.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct TierTokens {
-    /// Accelerator pages (G1).
-    pub g1: usize,
-    /// Host memory (G2).
-    pub g2: usize,
-    /// Disk (G3).
-    pub g3: usize,
-    /// Shared pool (G4).
-    #[serde(default)]
-    pub g4: usize,
-}
-
-impl TierTokens {
-    /// Adds another count.
-    pub fn add(&mut self, o: TierTokens) {
-        self.g1 += o.g1;
-        self.g2 += o.g2;
-        self.g3 += o.g3;
-        self.g4 += o.g4;
-    }
-
-    /// Tokens from every tier.
-    pub fn total(&self) -> usize {
-        self.g1 + self.g2 + self.g3 + self.g4
-    }
-}
+pub use kvtier_store::TierTokens;
 
 /// Summary of one (mode, concurrency) run. Field names are a contract.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

@@ -30,20 +30,19 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_store::{KvLayout, LayerSink, Tier};
+use kvtier_store::{KvLayout, LayerProgress, LayerSink, Tier};
 use parking_lot::{Condvar, Mutex};
 
 use crate::kv::kv_pool::{PageId, PageWriter};
 
 /// What has landed of a layer-wise restore.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Landed {
     /// The tiers of the leading run the store will hand over, once known.
     planned: Option<Vec<Tier>>,
-    /// `layers[l][i]`: layer `l` of block `i` is in its page.
-    layers: Vec<Vec<bool>>,
-    /// Blocks a layer of which could not be decoded into its page.
-    failed: Vec<bool>,
+    /// Which layers of which blocks are in their pages; a block a layer of
+    /// which could not be decoded is settled (nothing more is waited for).
+    progress: LayerProgress,
     /// The store's read is done (its handle holds the verified blocks).
     done: bool,
     /// When it was done.
@@ -117,9 +116,11 @@ impl RestoreSink {
             yield_factor,
             on_planned,
             landed: Mutex::new(Landed {
-                layers: vec![vec![false; n]; layout.layers as usize],
-                failed: vec![false; n],
-                ..Landed::default()
+                planned: None,
+                progress: LayerProgress::new(n, layout.layers),
+                done: false,
+                done_at: None,
+                waited: Duration::ZERO,
             }),
             pages,
             changed: Condvar::new(),
@@ -177,12 +178,7 @@ impl RestoreSink {
         let mut since: Option<Instant> = None;
         loop {
             let ready = st.done
-                || st.layers.get(layer).is_none_or(|row| {
-                    row.iter()
-                        .zip(&st.failed)
-                        .take(blocks)
-                        .all(|(&landed, &failed)| landed || failed)
-                });
+                || u32::try_from(layer).map_or(true, |l| st.progress.ready_within(l, blocks));
             if ready {
                 if let Some(t) = since {
                     st.waited += t.elapsed();
@@ -203,12 +199,7 @@ impl RestoreSink {
     /// The first of the leading `blocks` a layer of which could not be
     /// decoded into its page.
     pub(crate) fn first_failed(&self, blocks: usize) -> Option<usize> {
-        self.landed
-            .lock()
-            .failed
-            .iter()
-            .take(blocks)
-            .position(|&f| f)
+        self.landed.lock().progress.first_settled(blocks)
     }
 }
 
@@ -230,19 +221,10 @@ impl LayerSink for RestoreSink {
             .import_layers(page, &layout, layers.clone(), stored, rows);
         let mut st = self.landed.lock();
         match result {
-            Ok(()) => {
-                for l in layers {
-                    if let Some(slot) = st.layers.get_mut(l as usize).and_then(|r| r.get_mut(index))
-                    {
-                        *slot = true;
-                    }
-                }
-            }
+            Ok(()) => st.progress.land(index, layers),
             Err(e) => {
                 tracing::warn!("restoring layers {layers:?} of block {index} failed: {e}");
-                if let Some(f) = st.failed.get_mut(index) {
-                    *f = true;
-                }
+                st.progress.settle(index..index + 1);
             }
         }
         self.changed.notify_all();

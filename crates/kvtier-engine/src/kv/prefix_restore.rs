@@ -33,7 +33,8 @@ use kvtier_store::{BlockKey, Handle, StoredBlock, Tier};
 use crate::engine_error::EngineError;
 use crate::kv::kv_pool::PageId;
 use crate::kv::layer_restore::RestoreSink;
-use crate::serving::engine::{CachedTokens, Engine, Seq, SeqId};
+use crate::serving::engine::{Engine, Seq, SeqId};
+use kvtier_store::TierTokens;
 
 /// What [`Engine::begin`] started for a sequence.
 #[derive(Debug)]
@@ -41,7 +42,7 @@ pub(crate) struct Begun {
     /// When `begin` was called.
     started: Instant,
     /// Prompt tokens attached from G1 pages.
-    cached: CachedTokens,
+    cached: TierTokens,
     /// Keys being read from the store, in prefix order: full blocks, then
     /// possibly the tail's partial key (see `tail`).
     keys: Vec<BlockKey>,
@@ -114,7 +115,7 @@ impl LayeredAttach {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Attached {
     /// Prompt tokens served from cache, by tier.
-    pub cached: CachedTokens,
+    pub cached: TierTokens,
     /// KV bytes restored from the store.
     pub restored_bytes: u64,
     /// Seconds the store read took, plus the copies into G1.
@@ -175,7 +176,7 @@ impl Engine {
         self.next_id += 1;
         let mut begun = Begun {
             started: Instant::now(),
-            cached: CachedTokens::default(),
+            cached: TierTokens::default(),
             keys: Vec::new(),
             tail: None,
             first_read: 0,
@@ -578,9 +579,9 @@ impl Engine {
         seq.tail_stored = false;
         if let Some(a) = seq.attached.as_mut() {
             let g1 = a.cached.g1.min(l.first * bt);
-            a.cached = CachedTokens {
+            a.cached = TierTokens {
                 g1,
-                ..CachedTokens::default()
+                ..TierTokens::default()
             };
             a.restored_bytes = 0;
             for &tier in &l.tiers[..good] {

@@ -22,7 +22,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use kvtier_store::{
-    BlockKey, DiskConfig, KeyChain, KvCodec, KvLayout, ModelFingerprint, StoreConfig, TieredStore,
+    BlockKey, DiskConfig, KeyChain, KvCodec, KvLayout, ModelFingerprint, StoreConfig, TierTokens,
+    TieredStore,
 };
 
 use crate::engine_error::EngineError;
@@ -114,26 +115,6 @@ pub struct StoreOptions {
 /// Identifies a sequence inside the engine.
 pub type SeqId = u64;
 
-/// Prompt tokens served from cache, by tier.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CachedTokens {
-    /// From G1 pages.
-    pub g1: usize,
-    /// From host memory.
-    pub g2: usize,
-    /// From disk.
-    pub g3: usize,
-    /// From the shared pool.
-    pub g4: usize,
-}
-
-impl CachedTokens {
-    /// All cached prompt tokens.
-    pub fn total(&self) -> usize {
-        self.g1 + self.g2 + self.g3 + self.g4
-    }
-}
-
 /// What a prefill did.
 #[derive(Debug, Clone)]
 pub struct Prefill {
@@ -142,7 +123,7 @@ pub struct Prefill {
     /// Logits of the last prompt token.
     pub logits: Vec<f32>,
     /// Prompt tokens not recomputed.
-    pub cached: CachedTokens,
+    pub cached: TierTokens,
     /// KV bytes restored from the store.
     pub restored_bytes: u64,
     /// Seconds spent restoring from the store (lookup, reads, copies).

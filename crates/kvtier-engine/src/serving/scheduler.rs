@@ -39,8 +39,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::kv::prefix_restore::Attached;
-use crate::serving::engine::{CachedTokens, Engine, SeqId};
+use crate::serving::engine::{Engine, SeqId};
 use crate::serving::sampling::{Sampled, Sampler, SamplingParams};
+use kvtier_store::TierTokens;
 
 /// Batching limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,7 +140,7 @@ pub enum GenerateEvent {
         /// Prompt tokens.
         prompt_tokens: usize,
         /// Prompt tokens served from cache, by tier.
-        cached: CachedTokens,
+        cached: TierTokens,
         /// Seconds from arrival to the first token being known (TTFT).
         ttft_seconds: f64,
         /// KV bytes restored from the store.

@@ -1,24 +1,7 @@
 //! What the simulator reports: prompt tokens served per tier, where the
 //! store holds a block, how a request ended or failed, running counts.
 
-/// Prompt tokens served from cache, by tier (the server's usage
-/// `kvtier.cached_tokens`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct TierHits {
-    /// From G1 pages.
-    pub g1: usize,
-    /// From G2 (host memory).
-    pub g2: usize,
-    /// From G3 (disk).
-    pub g3: usize,
-}
-
-impl TierHits {
-    /// All cached prompt tokens.
-    pub fn total(&self) -> usize {
-        self.g1 + self.g2 + self.g3
-    }
-}
+pub use kvtier_store::TierTokens;
 
 /// Where the store holds one block
 /// ([`ServerSim::store_places`](super::ServerSim::store_places)).
@@ -53,7 +36,7 @@ pub enum RequestError {
     #[error("G1 has no page left for the sequence")]
     PoolExhausted {
         /// What its prefix restore found.
-        hits: TierHits,
+        hits: TierTokens,
     },
 }
 

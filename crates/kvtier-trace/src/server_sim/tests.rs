@@ -92,17 +92,18 @@ fn shapes_it_cannot_follow_exactly_are_refused() {
 fn reuse_is_token_granular_and_the_last_prompt_token_always_computed() {
     let mut sim = ServerSim::new(shape()).expect("sim");
     let p: Vec<u32> = (10..20).collect();
-    assert_eq!(sim.request(&p, &[1, 2]), TierHits::default());
+    assert_eq!(sim.request(&p, &[1, 2]), TierTokens::default());
     // The same prompt: all but its last token from G1 (2 full pages,
     // then its tail's one token from the finished sequence's last
     // page, which holds 3).
     let again = sim.request(&p, &[1, 2]);
     assert_eq!(
         again,
-        TierHits {
+        TierTokens {
             g1: 9,
             g2: 0,
-            g3: 0
+            g3: 0,
+            g4: 0
         }
     );
     // A prompt sharing 5 tokens: one block by key, one token copied.
@@ -114,7 +115,7 @@ fn reuse_is_token_granular_and_the_last_prompt_token_always_computed() {
     let mut turn = p.clone();
     turn.extend([1, 2, 50]);
     assert_eq!(sim.request(&turn, &[7, 8]).total(), 11);
-    assert_eq!(sim.request(&[5], &[1]), TierHits::default());
+    assert_eq!(sim.request(&[5], &[1]), TierTokens::default());
     assert_eq!(
         sim.try_request(&[], &[1], Ending::Length),
         Err(RequestError::EmptyPrompt)
@@ -140,10 +141,11 @@ fn blocks_come_back_from_g3_once_g1_and_g2_let_go_and_g3_survives_a_restart() {
     let first = sim.request(&prompts[0], &[1, 2]);
     assert_eq!(
         first,
-        TierHits {
+        TierTokens {
             g1: 0,
             g2: 0,
-            g3: 12
+            g3: 12,
+            g4: 0
         }
     );
     sim.restart();
