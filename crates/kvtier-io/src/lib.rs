@@ -6,7 +6,9 @@
 //!   thread pool otherwise.
 //! * [`direct`]: opening files with `O_DIRECT` and probing whether a
 //!   directory accepts it; the active mode is always reported, never silent.
-//! * [`recycle`]: an allocator that reuses freed buffers (no page faults).
+//! * [`recycle`]: an allocator that reuses freed buffers (no page faults);
+//!   [`host_memory`]: the machine's physical memory, for refusing work
+//!   that could never fit.
 //! * [`device_limit`]: the device's own O_DIRECT read and write limits,
 //!   measured beside what is benchmarked against them.
 //! * [`safetensors`], [`loader`], [`checkpoint`]: validated safetensors

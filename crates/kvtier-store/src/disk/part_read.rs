@@ -24,10 +24,10 @@ use super::{DiskRead, DiskTier, ReadOutcome, failed, refused};
 use crate::block::{BlockError, HEADER_BYTES};
 use crate::key::BlockKey;
 
-/// Bytes in flight after the first wave of a read in parts: about what a
-/// virtio disk moves in 1-2 ms, so the next layer's parts land before the
-/// forward pass needs them, and enough large reads for an NVMe device to
-/// keep its queue busy.
+/// Bytes in flight after the first wave of a read in parts: little enough
+/// that a disk moves them in a small part of one layer's forward pass, so
+/// the next layer's parts land before the pass needs them, and enough
+/// large reads for an NVMe device to keep its queue busy.
 const READ_WINDOW_BYTES: usize = 4 << 20;
 
 /// Reads in flight after the first wave of a read of `n` blocks in parts,
