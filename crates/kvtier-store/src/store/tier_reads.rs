@@ -357,7 +357,8 @@ impl<'a> TierRead<'a> {
         };
         let keys: Vec<BlockKey> = self.from_g4.iter().map(|&i| self.keys[i]).collect();
         let pace = self.sink.map_or(0.0, |s| s.yield_factor());
-        let got = if self.leading && pace > 0.0 {
+        let paced = self.leading && pace > 0.0;
+        let got = if paced {
             // One GET at a time, each block handed over as it lands, then
             // a pause (`LayerSink::yield_factor`).
             let mut got = Vec::with_capacity(keys.len());
@@ -379,22 +380,21 @@ impl<'a> TierRead<'a> {
             }
             got.resize_with(keys.len(), || BlockRead::Miss);
             got
+        } else if self.leading {
+            r.get_leading(&keys)
         } else {
-            let got = if self.leading {
-                r.get_leading(&keys)
-            } else {
-                r.get_many(&keys)
-            };
+            r.get_many(&keys)
+        };
+        if let Some(sink) = self.sink {
+            let found = |j: usize| got.get(j).is_some_and(BlockRead::is_hit);
+            sink.planned(&self.planned(&found));
+        }
+        if !paced {
             for (&i, g) in self.from_g4.iter().zip(&got) {
                 if let BlockRead::Hit(buf) = g {
                     self.hand_whole(i, buf);
                 }
             }
-            got
-        };
-        if let Some(sink) = self.sink {
-            let found = |j: usize| got.get(j).is_some_and(BlockRead::is_hit);
-            sink.planned(&self.planned(&found));
         }
         got
     }
