@@ -184,6 +184,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         self.is_mla = bool(storage_config.is_mla_model)
         self.tp_rank = int(storage_config.tp_rank)
         self.tp_size = int(storage_config.tp_size)
+        # With attention data parallelism tp_rank is local to its group:
+        # two groups' ranks of one number share keys but not a directory.
+        self.dp_rank = int(getattr(storage_config, "dp_rank", 0) or 0)
+        if getattr(storage_config, "should_split_heads", False):
+            raise ValueError(
+                "kvtier.sglang: split-head pages (TP sizes that differ between writers and readers) are not supported"
+            )
         self.mem_pool_host: Any = None
         self.layout: Layout | None = None
         self._ns: Namespace | None = None
@@ -229,7 +236,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         else:
             digest = hashlib.sha256(self._fingerprint(flat).encode()).hexdigest()[:16]
             base = f"sglang-{digest}"
-        return f"{base}-tp{self.tp_rank}of{self.tp_size}"
+        return f"{base}-dp{self.dp_rank}-tp{self.tp_rank}of{self.tp_size}"
 
     def _open(self, flat: bool) -> Namespace:
         if self.layout is None:

@@ -70,6 +70,18 @@ def test_pages_survive_a_restart_bit_for_bit_and_a_corrupt_block_is_a_miss(tmp_p
         assert r["stats"]["g3_corrupt_blocks"] == 1, spec
         assert r["stats"]["g3_hits"] == len(WRITE_PAGES) - 1, spec
 
+    # The reader cleared the first pool's namespace: a process that opens it
+    # next (this one) finds no page, and the old generation's directory gone.
+    first = SPECS_RESTART[0]
+    r = read[first.name]
+    assert r["cleared_to"] != r["cleared_from"]
+    assert (cache / r["cleared_from"]).is_dir()
+    pool = make_pool(first)
+    b = make_backend(first, pool, kvtier_extra(str(cache)))
+    assert b.namespace.name == r["cleared_to"]
+    assert not (cache / r["cleared_from"]).exists()
+    assert b.batch_exists(page_keys(len(WRITE_PAGES), first.page_size, 0)) == 0
+
 
 @pytest.fixture
 def mha() -> tuple[PoolSpec, object]:

@@ -52,6 +52,10 @@ def main() -> None:
             ]
             r["zero"] = [not any(page_bytes(pool, rp)) for rp in READ_PAGES]
             r["stats"] = b.kvtier_stats()
+            if seed == 0:
+                r["cleared_from"] = b.namespace.name
+                b.clear()
+                r["cleared_to"] = b.namespace.name
         report[spec.name] = r
         del b, pool
     with open(out, "w") as f:
