@@ -16,11 +16,14 @@
 //! * `py_device`: `device_read_gbps`, the device's read limit for the
 //!   benchmarks;
 //! * `py_store`: `Store`, `Namespace`, `Layout`, `Transfer`,
-//!   `BlockResult`: the tiered KV store (`kvtier.Store`).
+//!   `BlockResult`: the tiered KV store (`kvtier.Store`);
+//! * `py_completions`: `Completions`, a completion queue with an eventfd
+//!   over a namespace's loads and saves (`kvtier.lmcache`).
 
 mod array_input;
 mod host_buffer;
 mod py_checkpoint;
+mod py_completions;
 mod py_device;
 mod py_error;
 mod py_load;
@@ -42,5 +45,6 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<py_store::Layout>()?;
     m.add_class::<py_store::Transfer>()?;
     m.add_class::<py_store::BlockResult>()?;
+    m.add_class::<py_completions::Completions>()?;
     Ok(())
 }

@@ -399,9 +399,9 @@ type StartFn = fn(
 #[pyclass(frozen, module = "kvtier._kvtier")]
 pub struct Namespace {
     name: String,
-    layout: KvLayout,
-    chain: KeyChain,
-    store: TieredStore,
+    pub(crate) layout: KvLayout,
+    pub(crate) chain: KeyChain,
+    pub(crate) store: TieredStore,
 }
 
 impl Namespace {

@@ -1,0 +1,271 @@
+"""kvtier's store as an LMCache L2 adapter (LMCache's ``native_plugin``
+type, LMCache 0.5.6's multiprocess server).
+
+LMCache's server builds :class:`KvtierL2Adapter` from its ``--l2-adapter``
+JSON as ``KvtierL2Adapter(**adapter_params)``::
+
+    lmcache server --l1-size-gb 1 --no-l1-use-lazy --eviction-policy LRU \\
+        --chunk-size 16 --supported-transfer-mode auto --l2-adapter \\
+        '{"type": "native_plugin", "module_path": "kvtier.lmcache",
+          "class_name": "KvtierL2Adapter",
+          "adapter_params": {"cache_dir": "/var/cache/kvtier-lmcache"}}'
+
+LMCache hands the adapter its objects as opaque bytes, named
+``"{model}@{kv_rank:08x}@{group:x}@{chunk_hash_hex}[@{cache_salt}]"``. Each
+object becomes a block of kvtier's store: the key's tail (group, chunk hash,
+salt) is its raw key in a namespace per model, KV rank and object size (a
+block of one namespace has one size; a model's objects have one or two).
+So objects of two models or ranks never share a block, and a block found
+later is an object LMCache stored under that very key.
+
+Loads, saves and lookups run on the store's threads; a completion queue in
+Rust (``kvtier._kvtier.Completions``) collects what they did and wakes
+LMCache through its eventfd. Every block read is verified against its
+checksums: a block that is missing, corrupt or unreadable is reported as not
+loaded (LMCache then recomputes), never handed over.
+
+``adapter_params`` (every key but ``cache_dir`` optional):
+
+- ``cache_dir``: the store's directory (G3, a directory per namespace);
+- ``g2_bytes``: host memory for kvtier's G2, all namespaces together
+  (default 1 GiB);
+- ``g3_bytes``: disk per namespace (default 8 GiB);
+- ``remote``: a G4 pool shared by nodes (``redis://``, ``rediss://``,
+  ``redis+cluster://`` or ``s3://`` URL; default none);
+- ``codec``: how the lower tiers store the bytes: ``none`` (the default:
+  LMCache's bytes as they are) or ``bf16``, ``fp8-e4m3``, ``int8``, which
+  take the objects as ``kv_dtype`` elements and are lossy;
+- ``kv_dtype``: the element type of LMCache's KV for a codec (``f16``,
+  ``bf16``, ``f32``; default ``f16``);
+- ``g3_sync_ms``: blocks only in host memory reach disk within about this
+  many milliseconds (default 1000; 0: only when evicted or at close);
+- ``eviction``: the eviction policy of G2 and G3 (``kvtier``, ``lru``,
+  ``fifo``, ``s3fifo``, ``clock``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _kvtier
+from .store import Layout, Namespace, Store
+
+__all__ = ["KvtierL2Adapter", "parse_key"]
+
+_ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+_NAME = re.compile(r"^lmc-([0-9a-f]{16})-r([0-9a-f]{8})-(\d+)$")
+
+
+def parse_key(key: str) -> tuple[str, int, bytes]:
+    """``(model, kv_rank, raw key)`` of an LMCache object key
+    ``"{model}@{kv_rank:08x}@{group:x}@{chunk_hash_hex}[@{salt}]"``: the
+    raw key is the tail after the rank (group, chunk hash and salt)."""
+    parts = key.split("@", 2)
+    if len(parts) != 3 or not parts[2]:
+        raise ValueError(f"not an LMCache object key: {key!r}")
+    model, rank, tail = parts
+    try:
+        kv_rank = int(rank, 16)
+    except ValueError:
+        raise ValueError(f"not an LMCache object key (rank {rank!r}): {key!r}") from None
+    return model, kv_rank, tail.encode()
+
+
+def _model_id(model: str) -> str:
+    return hashlib.sha256(model.encode()).hexdigest()[:16]
+
+
+class KvtierL2Adapter:
+    """LMCache's ``native_plugin`` client over a kvtier :class:`Store` (see
+    the module's description for ``adapter_params``)."""
+
+    def __init__(
+        self,
+        cache_dir: str,
+        g2_bytes: int = 1 << 30,
+        g3_bytes: int = 8 << 30,
+        remote: str | None = None,
+        codec: str = "none",
+        kv_dtype: str = "f16",
+        g3_sync_ms: int = 1000,
+        eviction: str = "kvtier",
+    ) -> None:
+        if codec != "none" and kv_dtype not in _ELEMENT_BYTES:
+            raise ValueError(f"kv_dtype must be one of {sorted(_ELEMENT_BYTES)}, not {kv_dtype!r}")
+        self._cache_dir = str(cache_dir)
+        self._codec = codec
+        self._kv_dtype = kv_dtype
+        self._store: Store | None = Store(
+            self._cache_dir, int(g2_bytes), int(g3_bytes), remote, int(g3_sync_ms), eviction
+        )
+        self._completions = _kvtier.Completions()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        # Per future id, the buffers its batch reads or writes: held until
+        # its completion is drained.
+        self._held: dict[int, Sequence[Any]] = {}
+        # (model id, kv rank) -> object size -> namespace; and the sizes
+        # found on disk, opened when first asked for.
+        self._open: dict[tuple[str, int], dict[int, Namespace]] = {}
+        self._on_disk: dict[tuple[str, int], set[int]] = {}
+        self._closed = False
+        if os.path.isdir(self._cache_dir):
+            for entry in os.listdir(self._cache_dir):
+                m = _NAME.match(entry)
+                if m:
+                    self._on_disk.setdefault((m[1], int(m[2], 16)), set()).add(int(m[3]))
+
+    # -- namespaces --------------------------------------------------------
+
+    def _layout(self, size: int) -> Layout | None:
+        if self._codec == "none":
+            return Layout(1, 1, size, 1, dtype="f8e4m3", arrangement="latent")
+        elem = _ELEMENT_BYTES[self._kv_dtype]
+        if size % elem:
+            return None
+        return Layout(1, 1, size // elem, 1, dtype=self._kv_dtype, arrangement="latent", codec=self._codec)
+
+    def _namespace(self, model: str, kv_rank: int, size: int, create: bool) -> Namespace | None:
+        mid = _model_id(model)
+        opened = self._open.setdefault((mid, kv_rank), {})
+        ns = opened.get(size)
+        if ns is not None:
+            return ns
+        if not create and size not in self._on_disk.get((mid, kv_rank), set()):
+            return None
+        layout = self._layout(size)
+        if layout is None:
+            return None
+        name = f"lmc-{mid}-r{kv_rank:08x}-{size}"
+        if self._store is None:
+            raise RuntimeError("the kvtier L2 adapter is closed")
+        ns = self._store.namespace(layout, fingerprint=f"lmcache\0{model}\0{kv_rank}", name=name)
+        opened[size] = ns
+        return ns
+
+    def _all_namespaces(self, model: str, kv_rank: int) -> list[Namespace]:
+        mid = _model_id(model)
+        sizes = set(self._open.get((mid, kv_rank), {})) | self._on_disk.get((mid, kv_rank), set())
+        out = []
+        for size in sorted(sizes):
+            ns = self._namespace(model, kv_rank, size, create=False)
+            if ns is not None:
+                out.append(ns)
+        return out
+
+    def _groups(
+        self, keys: Sequence[str], bufs: Sequence[Any], writable: bool
+    ) -> tuple[list[tuple[_kvtier.Namespace, list[int], list[bytes], list[tuple[int, int]]]], list[Any]]:
+        if len(keys) != len(bufs):
+            raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
+        by_ns: dict[int, tuple[_kvtier.Namespace, list[int], list[bytes], list[tuple[int, int]]]] = {}
+        arrays: list[Any] = []
+        for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
+            model, kv_rank, raw = parse_key(key)
+            a = np.frombuffer(buf, dtype=np.uint8)
+            if writable and not a.flags.writeable:
+                raise ValueError(f"buffer {i} is read-only: a load needs writable memory")
+            arrays.append(a)
+            size = int(a.nbytes)
+            if size == 0:
+                continue
+            ns = self._namespace(model, kv_rank, size, create=not writable)
+            if ns is None:
+                # No block of this size was ever stored: a miss.
+                continue
+            native = ns._ns
+            group = by_ns.setdefault(id(native), (native, [], [], []))
+            group[1].append(i)
+            group[2].append(raw)
+            group[3].append((int(a.__array_interface__["data"][0]), size))
+        return list(by_ns.values()), arrays
+
+    # -- LMCache's native_plugin interface -----------------------------------
+
+    def event_fd(self) -> int:
+        """The eventfd LMCache polls: readable once a batch is done."""
+        return self._completions.event_fd()
+
+    def _next(self) -> int:
+        if self._closed:
+            raise RuntimeError("the kvtier L2 adapter is closed")
+        return next(self._ids)
+
+    def submit_batch_set(self, keys: list[str], bufs: list[Any]) -> int:
+        """Starts storing ``bufs`` as the objects ``keys``; returns the
+        batch's future id (its completion is ok once every one is stored)."""
+        with self._lock:
+            fid = self._next()
+            groups, arrays = self._groups(keys, bufs, writable=False)
+            self._held[fid] = (bufs, arrays)
+            self._completions.submit_save(fid, len(keys), groups)
+        return fid
+
+    def submit_batch_get(self, keys: list[str], bufs: list[Any]) -> int:
+        """Starts loading the objects ``keys`` into ``bufs``; the
+        completion's per-key list says which were loaded and verified."""
+        with self._lock:
+            fid = self._next()
+            groups, arrays = self._groups(keys, bufs, writable=True)
+            self._held[fid] = (bufs, arrays)
+            self._completions.submit_load(fid, len(keys), groups)
+        return fid
+
+    def submit_batch_exists(self, keys: list[str]) -> int:
+        """Looks up the objects ``keys`` (any tier); the completion's
+        per-key list says which are held."""
+        with self._lock:
+            fid = self._next()
+            groups: dict[int, tuple[_kvtier.Namespace, list[int], list[bytes]]] = {}
+            for i, key in enumerate(keys):
+                model, kv_rank, raw = parse_key(key)
+                for ns in self._all_namespaces(model, kv_rank):
+                    g = groups.setdefault(id(ns._ns), (ns._ns, [], []))
+                    g[1].append(i)
+                    g[2].append(raw)
+            self._completions.submit_exists(fid, len(keys), list(groups.values()))
+        return fid
+
+    def drain_completions(self) -> list[tuple[int, bool, str | None, list[bool] | None]]:
+        """Every finished batch since the last call: ``(future_id, ok,
+        error, per-key results)``."""
+        done = self._completions.drain()
+        with self._lock:
+            for fid, *_ in done:
+                self._held.pop(fid, None)
+        return done
+
+    def close(self) -> None:
+        """Waits (at most 30 s) for the batches in flight, writes every
+        block not yet on disk, and lets the cache directory go (another
+        adapter may open it then)."""
+        with self._lock:
+            self._closed = True
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._held:
+                    break
+            if len(self._completions):
+                self.drain_completions()
+            else:
+                time.sleep(0.01)
+        if self._store is not None:
+            self._store.flush()
+        self._open.clear()
+        self._store = None
+
+    # -- for tools and tests ---------------------------------------------------
+
+    def metrics(self) -> dict[str, Any]:
+        """The store's figures (``kvtier.Store.metrics``); empty once closed."""
+        return {} if self._store is None else self._store.metrics()
