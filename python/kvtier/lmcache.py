@@ -12,11 +12,13 @@ JSON as ``KvtierL2Adapter(**adapter_params)``::
 
 LMCache hands the adapter its objects as opaque bytes, named
 ``"{model}@{kv_rank:08x}@{group:x}@{chunk_hash_hex}[@{cache_salt}]"``. Each
-object becomes a block of kvtier's store: the key's tail (group, chunk hash,
-salt) is its raw key in a namespace per model, KV rank and object size (a
-block of one namespace has one size; a model's objects have one or two).
-So objects of two models or ranks never share a block, and a block found
-later is an object LMCache stored under that very key.
+object becomes a block of kvtier's store: the key after the model (KV rank,
+group, chunk hash, salt) is its raw key in a namespace per model and object
+size (a block of one namespace has one size; a model's objects have one or
+a few). So objects of two models, ranks or salts never share a block, and a
+block found later is an object LMCache stored under that very key. (The
+rank is in the raw key, not the namespace's name: ``lmcache bench l2`` gives
+every key a rank of its own, and a namespace is a G3 directory and threads.)
 
 Loads, saves and lookups run on the store's threads; a completion queue in
 Rust (``kvtier._kvtier.Completions``) collects what they did and wakes
@@ -62,22 +64,22 @@ from .store import Layout, Namespace, Store
 __all__ = ["KvtierL2Adapter", "parse_key"]
 
 _ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-_NAME = re.compile(r"^lmc-([0-9a-f]{16})-r([0-9a-f]{8})-(\d+)$")
+_NAME = re.compile(r"^lmc-([0-9a-f]{16})-(\d+)$")
 
 
-def parse_key(key: str) -> tuple[str, int, bytes]:
-    """``(model, kv_rank, raw key)`` of an LMCache object key
+def parse_key(key: str) -> tuple[str, bytes]:
+    """``(model, raw key)`` of an LMCache object key
     ``"{model}@{kv_rank:08x}@{group:x}@{chunk_hash_hex}[@{salt}]"``: the
-    raw key is the tail after the rank (group, chunk hash and salt)."""
+    raw key is what follows the model (rank, group, chunk hash, salt)."""
     parts = key.split("@", 2)
     if len(parts) != 3 or not parts[2]:
         raise ValueError(f"not an LMCache object key: {key!r}")
     model, rank, tail = parts
     try:
-        kv_rank = int(rank, 16)
+        int(rank, 16)
     except ValueError:
         raise ValueError(f"not an LMCache object key (rank {rank!r}): {key!r}") from None
-    return model, kv_rank, tail.encode()
+    return model, f"{rank}@{tail}".encode()
 
 
 def _model_id(model: str) -> str:
@@ -113,16 +115,16 @@ class KvtierL2Adapter:
         # Per future id, the buffers its batch reads or writes: held until
         # its completion is drained.
         self._held: dict[int, Sequence[Any]] = {}
-        # (model id, kv rank) -> object size -> namespace; and the sizes
-        # found on disk, opened when first asked for.
-        self._open: dict[tuple[str, int], dict[int, Namespace]] = {}
-        self._on_disk: dict[tuple[str, int], set[int]] = {}
+        # model id -> object size -> namespace; and the sizes found on
+        # disk, opened when first asked for.
+        self._open: dict[str, dict[int, Namespace]] = {}
+        self._on_disk: dict[str, set[int]] = {}
         self._closed = False
         if os.path.isdir(self._cache_dir):
             for entry in os.listdir(self._cache_dir):
                 m = _NAME.match(entry)
                 if m:
-                    self._on_disk.setdefault((m[1], int(m[2], 16)), set()).add(int(m[3]))
+                    self._on_disk.setdefault(m[1], set()).add(int(m[2]))
 
     # -- namespaces --------------------------------------------------------
 
@@ -134,30 +136,30 @@ class KvtierL2Adapter:
             return None
         return Layout(1, 1, size // elem, 1, dtype=self._kv_dtype, arrangement="latent", codec=self._codec)
 
-    def _namespace(self, model: str, kv_rank: int, size: int, create: bool) -> Namespace | None:
+    def _namespace(self, model: str, size: int, create: bool) -> Namespace | None:
         mid = _model_id(model)
-        opened = self._open.setdefault((mid, kv_rank), {})
+        opened = self._open.setdefault(mid, {})
         ns = opened.get(size)
         if ns is not None:
             return ns
-        if not create and size not in self._on_disk.get((mid, kv_rank), set()):
+        if not create and size not in self._on_disk.get(mid, set()):
             return None
         layout = self._layout(size)
         if layout is None:
             return None
-        name = f"lmc-{mid}-r{kv_rank:08x}-{size}"
+        name = f"lmc-{mid}-{size}"
         if self._store is None:
             raise RuntimeError("the kvtier L2 adapter is closed")
-        ns = self._store.namespace(layout, fingerprint=f"lmcache\0{model}\0{kv_rank}", name=name)
+        ns = self._store.namespace(layout, fingerprint=f"lmcache\0{model}", name=name)
         opened[size] = ns
         return ns
 
-    def _all_namespaces(self, model: str, kv_rank: int) -> list[Namespace]:
+    def _all_namespaces(self, model: str) -> list[Namespace]:
         mid = _model_id(model)
-        sizes = set(self._open.get((mid, kv_rank), {})) | self._on_disk.get((mid, kv_rank), set())
+        sizes = set(self._open.get(mid, {})) | self._on_disk.get(mid, set())
         out = []
         for size in sorted(sizes):
-            ns = self._namespace(model, kv_rank, size, create=False)
+            ns = self._namespace(model, size, create=False)
             if ns is not None:
                 out.append(ns)
         return out
@@ -170,7 +172,7 @@ class KvtierL2Adapter:
         by_ns: dict[int, tuple[_kvtier.Namespace, list[int], list[bytes], list[tuple[int, int]]]] = {}
         arrays: list[Any] = []
         for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
-            model, kv_rank, raw = parse_key(key)
+            model, raw = parse_key(key)
             a = np.frombuffer(buf, dtype=np.uint8)
             if writable and not a.flags.writeable:
                 raise ValueError(f"buffer {i} is read-only: a load needs writable memory")
@@ -178,7 +180,7 @@ class KvtierL2Adapter:
             size = int(a.nbytes)
             if size == 0:
                 continue
-            ns = self._namespace(model, kv_rank, size, create=not writable)
+            ns = self._namespace(model, size, create=not writable)
             if ns is None:
                 # No block of this size was ever stored: a miss.
                 continue
@@ -227,8 +229,8 @@ class KvtierL2Adapter:
             fid = self._next()
             groups: dict[int, tuple[_kvtier.Namespace, list[int], list[bytes]]] = {}
             for i, key in enumerate(keys):
-                model, kv_rank, raw = parse_key(key)
-                for ns in self._all_namespaces(model, kv_rank):
+                model, raw = parse_key(key)
+                for ns in self._all_namespaces(model):
                     g = groups.setdefault(id(ns._ns), (ns._ns, [], []))
                     g[1].append(i)
                     g[2].append(raw)

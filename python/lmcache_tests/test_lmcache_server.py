@@ -230,7 +230,7 @@ def _disk_blocks(cache_dir: Path) -> int:
         m = _NAME.match(ns.name)
         if not m:
             continue
-        slot = Layout(1, 1, int(m[3]), 1, dtype="f8e4m3", arrangement="latent").slot_bytes
+        slot = Layout(1, 1, int(m[2]), 1, dtype="f8e4m3", arrangement="latent").slot_bytes
         for seg in _slot_files(ns):
             with seg.open("rb") as f:
                 i = 0
@@ -251,7 +251,7 @@ def _corrupt_every_other_block(cache_dir: Path) -> int:
         m = _NAME.match(ns.name)
         if not m:
             continue
-        slot = Layout(1, 1, int(m[3]), 1, dtype="f8e4m3", arrangement="latent").slot_bytes
+        slot = Layout(1, 1, int(m[2]), 1, dtype="f8e4m3", arrangement="latent").slot_bytes
         for seg in _slot_files(ns):
             with seg.open("r+b") as f:
                 i = 0
