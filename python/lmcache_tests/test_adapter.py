@@ -11,6 +11,7 @@ import select
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from lmcache.v1.distributed.l2_adapters.native_plugin_l2_adapter import (
     NativePluginL2AdapterConfig,
@@ -115,4 +116,16 @@ def test_bad_key_is_refused(tmp_path: Path) -> None:
     a = KvtierL2Adapter(cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="not an LMCache object key"):
         a.submit_batch_exists(["no-separators"])
+    a.close()
+
+
+def test_codec_keeps_objects_as_kv_elements(tmp_path: Path) -> None:
+    a = KvtierL2Adapter(cache_dir=str(tmp_path), codec="bf16", kv_dtype="f32")
+    src = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    assert _wait(a, a.submit_batch_set(KEYS[:1], [memoryview(src).cast("B")]))[1]
+    dst = np.zeros(4096, np.float32)
+    assert _wait(a, a.submit_batch_get(KEYS[:1], [memoryview(dst).cast("B")]))[3] == [True]
+    # bf16 keeps 8 bits of mantissa: close, not equal.
+    err = float(np.abs(dst - src).max())
+    assert 0 < err < 0.02 * float(np.abs(src).max())
     a.close()
