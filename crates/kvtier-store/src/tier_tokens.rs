@@ -26,11 +26,6 @@ impl TierTokens {
     pub fn total(&self) -> usize {
         self.g1 + self.g2 + self.g3 + self.g4
     }
-
-    /// Adds another count.
-    pub fn add(&mut self, o: TierTokens) {
-        *self += o;
-    }
 }
 
 impl AddAssign for TierTokens {
@@ -54,10 +49,10 @@ mod tests {
             g3: 3,
             g4: 4,
         };
-        a.add(TierTokens {
+        a += TierTokens {
             g1: 10,
             ..TierTokens::default()
-        });
+        };
         assert_eq!((a.g1, a.total()), (11, 20));
         let read: TierTokens = serde_json::from_str(r#"{"g1":1,"g2":0,"g3":5}"#).unwrap();
         assert_eq!(read.total(), 6);

@@ -109,7 +109,7 @@ fn summarize(
     let out_tokens: usize = ok.iter().map(|r| r.output_tokens).sum();
     let mut hits = TierTokens::default();
     for r in &ok {
-        hits.add(r.hit_tokens);
+        hits += r.hit_tokens;
     }
     let restored: u64 = ok.iter().map(|r| r.restored_bytes).sum();
     let restore_s: f64 = ok.iter().map(|r| r.restore_s).sum();

@@ -199,7 +199,7 @@ fn windows(
             .collect();
         let mut hits = TierTokens::default();
         for s in &ok {
-            hits.add(s.completion.record.hit_tokens);
+            hits += s.completion.record.hit_tokens;
         }
         let prompt: usize = ok.iter().map(|s| s.completion.record.prompt_tokens).sum();
         let bound: usize = ok.iter().filter_map(|s| bounds.get(s.index)).sum();
@@ -271,7 +271,7 @@ impl RunReport {
             .collect();
         let mut hits = TierTokens::default();
         for s in &ok {
-            hits.add(s.completion.record.hit_tokens);
+            hits += s.completion.record.hit_tokens;
         }
         let prompt_tokens: usize = ok.iter().map(|s| s.completion.record.prompt_tokens).sum();
         let output_tokens: usize = ok.iter().map(|s| s.completion.record.output_tokens).sum();

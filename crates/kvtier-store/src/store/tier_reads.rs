@@ -479,17 +479,14 @@ impl<'a> TierRead<'a> {
                     }
                     BlockRead::Corrupt(why)
                 }
-                // A prefix read counts an unanswered key as a miss (its
-                // caller sees only the hits); any other read reports it.
-                BlockRead::Failed(_) | BlockRead::Miss if self.leading => {
+                // Any read but a prefix's reports an unanswered key; a
+                // prefix read counts it as a miss (its caller sees only the
+                // hits).
+                BlockRead::Failed(why) if !self.leading => BlockRead::Failed(why),
+                BlockRead::Miss | BlockRead::Failed(_) => {
                     g4.misses.inc();
                     BlockRead::Miss
                 }
-                BlockRead::Miss => {
-                    g4.misses.inc();
-                    BlockRead::Miss
-                }
-                BlockRead::Failed(why) => BlockRead::Failed(why),
             };
         }
         evicted
