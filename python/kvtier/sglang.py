@@ -333,31 +333,29 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         ``host_indices`` (``page_size`` token indices per key); ``True`` per
         page read and verified. A missing or corrupt page is ``False`` and
         its host page is not written."""
-        if not keys:
-            return []
-        self._check_indices(keys, host_indices)
-        ns = self._namespace()
-        start = time.perf_counter()
-        pieces = self._pieces(keys, host_indices)
-        t = ns._ns._load([_raw_key(k) for k in keys], pieces, self.mem_pool_host.kv_buffer, False)
-        results = t.wait()
-        ok = [bool(r.ok) for r in results or []]
-        self._note(self._prefetch_pgs, self._prefetch_bw, sum(ok), time.perf_counter() - start)
-        return ok
+        return self._pages_v1(keys, host_indices, load=True)
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Writes the host pool's pages at ``host_indices`` as ``keys``;
         ``True`` per page stored (or already held)."""
+        return self._pages_v1(keys, host_indices, load=False)
+
+    def _pages_v1(self, keys: list[str], host_indices: Any, *, load: bool) -> list[bool]:
+        """The zero-copy transfer of both v1 calls: the host pool's page
+        buffers at ``host_indices`` loaded from (``load``) or saved as
+        ``keys``, counted in the matching stats."""
         if not keys:
             return []
         self._check_indices(keys, host_indices)
         ns = self._namespace()
         start = time.perf_counter()
         pieces = self._pieces(keys, host_indices)
-        t = ns._ns._save([_raw_key(k) for k in keys], pieces, self.mem_pool_host.kv_buffer)
-        results = t.wait()
-        ok = [bool(r.ok) for r in results or []]
-        self._note(self._backup_pgs, self._backup_bw, sum(ok), time.perf_counter() - start)
+        raw = [_raw_key(k) for k in keys]
+        buffer = self.mem_pool_host.kv_buffer
+        t = ns._ns._load(raw, pieces, buffer, False) if load else ns._ns._save(raw, pieces, buffer)
+        ok = [bool(r.ok) for r in t.wait() or []]
+        pgs, bws = (self._prefetch_pgs, self._prefetch_bw) if load else (self._backup_pgs, self._backup_bw)
+        self._note(pgs, bws, sum(ok), time.perf_counter() - start)
         return ok
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:

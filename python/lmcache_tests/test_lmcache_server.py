@@ -222,10 +222,10 @@ def _slot_files(ns_dir: Path) -> list[Path]:
     return [p for p in ns_dir.rglob("*") if p.is_file() and p.suffix == ".kvt"]
 
 
-def _disk_blocks(cache_dir: Path) -> int:
-    """Blocks kvtier wrote to disk: written slots (not all zero at their
-    start) of the segment files of every LMCache namespace."""
-    total = 0
+def _written_slots(cache_dir: Path) -> Iterator[tuple[Path, int, int]]:
+    """(segment file, offset, slot bytes) of every written slot (not all
+    zero at its start) of every LMCache namespace kvtier keeps on disk, in
+    file order."""
     for ns in cache_dir.iterdir():
         m = _NAME.match(ns.name)
         if not m:
@@ -239,34 +239,28 @@ def _disk_blocks(cache_dir: Path) -> int:
                     head = f.read(64)
                     if len(head) < 64:
                         break
-                    total += any(head)
+                    if any(head):
+                        yield seg, i * slot, slot
                     i += 1
-    return total
+
+
+def _disk_blocks(cache_dir: Path) -> int:
+    """Blocks kvtier wrote to disk."""
+    return sum(1 for _ in _written_slots(cache_dir))
 
 
 def _corrupt_every_other_block(cache_dir: Path) -> int:
-    """Flips one payload byte in every other written slot; returns how many."""
+    """Flips one payload byte in every other written slot (by position in
+    its segment file); returns how many."""
     flipped = 0
-    for ns in cache_dir.iterdir():
-        m = _NAME.match(ns.name)
-        if not m:
-            continue
-        slot = Layout(1, 1, int(m[2]), 1, dtype="f8e4m3", arrangement="latent").slot_bytes
-        for seg in _slot_files(ns):
+    for seg, off, slot in list(_written_slots(cache_dir)):
+        if (off // slot) % 2 == 1:
             with seg.open("r+b") as f:
-                i = 0
-                while True:
-                    f.seek(i * slot)
-                    head = f.read(64)
-                    if len(head) < 64:
-                        break
-                    if any(head) and i % 2 == 1:
-                        f.seek(i * slot + slot // 2)
-                        b = f.read(1)
-                        f.seek(i * slot + slot // 2)
-                        f.write(bytes([b[0] ^ 0xFF]))
-                        flipped += 1
-                    i += 1
+                f.seek(off + slot // 2)
+                b = f.read(1)
+                f.seek(off + slot // 2)
+                f.write(bytes([b[0] ^ 0xFF]))
+            flipped += 1
     return flipped
 
 
