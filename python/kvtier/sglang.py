@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -83,8 +82,6 @@ _MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 _STORES: dict[str, Store] = {}
 _STORES_LOCK = threading.Lock()
-#: ``(cache_dir, namespace name)`` of every namespace this process opened.
-_OPENED: set[tuple[str, str]] = set()
 
 
 def default_cache_dir() -> str:
@@ -244,8 +241,6 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         base = self._base_name(flat)
         gen = self._generation(base)
         name = f"{base}-g{gen}"
-        with _STORES_LOCK:
-            _OPENED.add((self.config.cache_dir, name))
         return self.store.namespace(
             self.layout,
             fingerprint=self._fingerprint(flat),
@@ -278,18 +273,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
 
     def _remove_old_generations(self) -> None:
         """Removes the G3 directories of generations before the current one
-        (left by ``clear``) that no store of this process has open."""
-        root = Path(self.config.cache_dir)
+        (left by ``clear``) that no store, in this or another process, has
+        open (``Store.remove_namespace``: kvtier's own files only)."""
         for flat in (False, True):
             base = self._base_name(flat)
-            gen = self._generation(base)
-            for old in range(gen):
-                name = f"{base}-g{old}"
-                path = root / name
-                with _STORES_LOCK:
-                    if (self.config.cache_dir, name) in _OPENED or not path.is_dir():
-                        continue
-                shutil.rmtree(path, ignore_errors=True)
+            for old in range(self._generation(base)):
+                self.store.remove_namespace(f"{base}-g{old}")
 
     def _namespace(self) -> Namespace:
         with self._lock:
@@ -303,24 +292,18 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
                 self._flat_ns = self._open(True)
             return self._flat_ns
 
-    def _pieces(self, keys: Sequence[str], host_indices: Any) -> list[list[tuple[int, int, int]]]:
+    def _spans(self, keys: Sequence[str], host_indices: Any) -> list[list[tuple[int, int]]]:
+        """Per key, its page's buffers in the host pool as ``(byte offset
+        into kv_buffer, length)``, in the order of the page's payload."""
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         n = len(keys)
         if n == 0:
             return []
         if len(ptrs) % n != 0 or len(ptrs) != len(sizes):
             raise ValueError(f"kvtier.sglang: {len(ptrs)} page buffers for {n} keys")
+        base = int(self.mem_pool_host.kv_buffer.data_ptr())
         per = len(ptrs) // n
-        out: list[list[tuple[int, int, int]]] = []
-        for i in range(n):
-            off = 0
-            block: list[tuple[int, int, int]] = []
-            for j in range(i * per, (i + 1) * per):
-                size = int(sizes[j])
-                block.append((off, int(ptrs[j]), size))
-                off += size
-            out.append(block)
-        return out
+        return [[(int(ptrs[j]) - base, int(sizes[j])) for j in range(i * per, (i + 1) * per)] for i in range(n)]
 
     def _check_indices(self, keys: Sequence[str], host_indices: Any) -> None:
         if int(host_indices.numel()) != len(keys) * self._page_size:
@@ -349,10 +332,10 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         self._check_indices(keys, host_indices)
         ns = self._namespace()
         start = time.perf_counter()
-        pieces = self._pieces(keys, host_indices)
+        spans = self._spans(keys, host_indices)
         raw = [_raw_key(k) for k in keys]
         buffer = self.mem_pool_host.kv_buffer
-        t = ns._ns._load(raw, pieces, buffer, False) if load else ns._ns._save(raw, pieces, buffer)
+        t = ns.load_spans(raw, buffer, spans) if load else ns.save_spans(raw, buffer, spans)
         ok = [bool(r.ok) for r in t.wait() or []]
         pgs, bws = (self._prefetch_pgs, self._prefetch_bw) if load else (self._backup_pgs, self._backup_bw)
         self._note(pgs, bws, sum(ok), time.perf_counter() - start)

@@ -171,6 +171,55 @@ class Namespace:
             raise ValueError(f"{len(keys)} keys but {len(srcs)} sources")
         return self._ns._save(keys, self._pieces(srcs, False), list(srcs))
 
+    def _spans(
+        self, keys: Sequence[BlockHash], owner: _Memory, spans: Sequence[Sequence[tuple[int, int]]], writable: bool
+    ) -> list[list[_Piece]]:
+        base, size = _memory(owner, writable)
+        if len(keys) != len(spans):
+            raise ValueError(f"{len(keys)} keys but {len(spans)} span lists")
+        payload = self.layout.payload_bytes
+        out: list[list[_Piece]] = []
+        for i, block in enumerate(spans):
+            pieces: list[_Piece] = []
+            at = 0
+            for offset, length in block:
+                offset, length = int(offset), int(length)
+                if offset < 0 or length <= 0 or offset + length > size:
+                    raise ValueError(f"block {i}: span ({offset}, {length}) is outside the {size}-byte buffer")
+                pieces.append((at, base + offset, length))
+                at += length
+            if at != payload:
+                raise ValueError(f"block {i}: spans of {at} bytes, the layout's payload is {payload}")
+            out.append(pieces)
+        return out
+
+    def load_spans(
+        self,
+        keys: Sequence[BlockHash],
+        owner: _Memory,
+        spans: Sequence[Sequence[tuple[int, int]]],
+        layerwise: bool = False,
+    ) -> Transfer:
+        """Starts loading block ``keys[i]`` into the byte ranges
+        ``spans[i]`` of ``owner`` (one C-contiguous array or CPU tensor,
+        such as an engine's whole host KV pool): ``(byte offset, length)``
+        pairs that, in order, hold the block's payload. Every range is
+        checked to lie inside ``owner``. Returns at once; ``layerwise`` as
+        for :meth:`load`."""
+        keys = _hashes(keys)
+        return self._ns._load(keys, self._spans(keys, owner, spans, True), owner, layerwise)
+
+    def save_spans(
+        self,
+        keys: Sequence[BlockHash],
+        owner: _Memory,
+        spans: Sequence[Sequence[tuple[int, int]]],
+    ) -> Transfer:
+        """Starts saving the byte ranges ``spans[i]`` of ``owner`` as the
+        block ``keys[i]`` (as :meth:`load_spans`). Returns at once."""
+        keys = _hashes(keys)
+        return self._ns._save(keys, self._spans(keys, owner, spans, False), owner)
+
     def _pages(self, layers: Sequence[_Memory], block_ids: Sequence[int], writable: bool) -> list[list[_Piece]]:
         layout = self.layout
         if layout.arrangement == "kv-major":
@@ -300,6 +349,15 @@ class Store:
         the end. It commits the G2 budget's memory at open; G2 is shared,
         so ask for it in one namespace."""
         return Namespace(self._store.namespace(layout, fingerprint, salt, name, warm_read_buffers))
+
+    def remove_namespace(self, name: str) -> bool:
+        """Removes the namespace ``name``'s directory under ``cache_dir``
+        for good (an engine forgetting an old generation of its cache):
+        ``True`` once removed or when there is none, ``False`` while a
+        store, this one or one in another process, has it open. Only
+        kvtier's own files are removed; a directory holding anything else
+        stays, with it."""
+        return self._store.remove_namespace(name)
 
     @property
     def cache_dir(self) -> str:

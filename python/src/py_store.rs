@@ -16,9 +16,9 @@ use std::time::Duration;
 
 use kvtier_store::eviction::EvictionKind;
 use kvtier_store::{
-    Arrangement, BlockRegions, BlockResult as StoreResult, DiskConfig, KeyChain, KvCodec, KvDtype,
-    KvLayout, ModelFingerprint, Part, RemoteConfig, SharedMemory, StoreConfig, Tier, TieredStore,
-    TpShard,
+    Arrangement, BlockRegions, BlockResult as StoreResult, DiskConfig, DiskError, DiskTier,
+    KeyChain, KvCodec, KvDtype, KvLayout, ModelFingerprint, Part, RemoteConfig, SharedMemory,
+    StoreConfig, Tier, TieredStore, TpShard,
 };
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
@@ -584,6 +584,21 @@ impl Namespace {
     }
 }
 
+/// Refuses a namespace name that is not a plain directory name.
+fn check_name(name: &str) -> PyResult<()> {
+    if name.is_empty()
+        || name.starts_with('.')
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return Err(bad(format!(
+            "namespace name {name:?}: use letters, digits, '-', '_' and '.', not first"
+        )));
+    }
+    Ok(())
+}
+
 /// A tiered KV store: G2 host memory shared by every namespace, a G3 per
 /// namespace under `cache_dir`, and an optional G4 pool (`remote`:
 /// `redis://`, `rediss://`, `redis+cluster://` or `s3://` URL).
@@ -676,16 +691,7 @@ impl Store {
                 &KeyChain::new(&fingerprint, &layout, b"").seed().to_hex()[..16]
             ),
         };
-        if name.is_empty()
-            || name.starts_with('.')
-            || !name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        {
-            return Err(bad(format!(
-                "namespace name {name:?}: use letters, digits, '-', '_' and '.', not first"
-            )));
-        }
+        check_name(&name)?;
         let mut open = self.namespaces.lock();
         if let Some(ns) = open.get(&name) {
             let same = {
@@ -724,6 +730,24 @@ impl Store {
         )?;
         open.insert(name, ns.clone_ref(py));
         Ok(ns)
+    }
+
+    /// Removes the namespace `name`'s G3 directory under `cache_dir` (for
+    /// good: an engine forgetting a generation of its cache); `True` once
+    /// removed or when there is none, `False` while a store (this one, or
+    /// one in another process) has it open. Only kvtier's own files go; a
+    /// directory holding anything else stays, with that.
+    fn remove_namespace(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
+        check_name(name)?;
+        if self.namespaces.lock().contains_key(name) {
+            return Ok(false);
+        }
+        let root = self.cache_dir.join(name);
+        match py.detach(|| DiskTier::remove_dir(&root)) {
+            Ok(_) => Ok(true),
+            Err(DiskError::Locked { .. }) => Ok(false),
+            Err(e) => Err(store_error(e)),
+        }
     }
 
     /// The cache directory.

@@ -379,6 +379,79 @@ def test_a_second_process_on_the_same_cache_dir_is_refused_with_the_holders_pid(
     assert all((a == b).all() for a, b in zip(src, dst, strict=True))
 
 
+def test_remove_namespace_takes_only_kvtier_files_of_a_namespace_nobody_has_open(tmp_path: Path) -> None:
+    layout = Layout.vllm_cpu(2, 1, 64, block_tokens=16)
+    cache = tmp_path / "cache"
+    # Another process holds namespace "a" open: it is refused, files intact.
+    script = textwrap.dedent(
+        f"""
+        import sys, numpy as np, kvtier
+        store = kvtier.Store({str(cache)!r}, g2_bytes=8 << 20, g3_bytes=16 << 20)
+        ns = store.namespace(kvtier.Layout.vllm_cpu(2, 1, 64, block_tokens=16), fingerprint="m", name="a")
+        src = [np.full((2, ns.layout.layer_bytes), 7, dtype=np.uint8) for _ in range(2)]
+        assert all(r.ok for r in ns.save_pages([b"k0", b"k1"], src, range(2)).wait())
+        ns.flush()
+        print("open", flush=True)
+        sys.stdin.readline()
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdin is not None
+        assert child.stdout.readline().strip() == "open"
+        store = Store(str(cache), g2_bytes=8 << 20, g3_bytes=16 << 20)
+        files = sorted(p.name for p in (cache / "a").rglob("*"))
+        assert store.remove_namespace("a") is False
+        assert sorted(p.name for p in (cache / "a").rglob("*")) == files
+        child.stdin.write("\n")
+        child.stdin.flush()
+    finally:
+        child.wait(timeout=60)
+    assert child.returncode == 0
+    # Closed: it goes, but a file kvtier did not write stays, with its directory.
+    slot_dirs = list((cache / "a" / "kvtier-g3").iterdir())
+    (slot_dirs[0] / "notes.txt").write_text("mine")
+    assert store.remove_namespace("a") is True
+    assert [p.name for p in (cache / "a").rglob("*") if p.is_file()] == ["notes.txt"]
+    assert (slot_dirs[0] / "notes.txt").read_text() == "mine"
+    # Open in this very store: refused; none at all: nothing to do.
+    store.namespace(layout, fingerprint="m", name="b")
+    assert store.remove_namespace("b") is False
+    assert (cache / "b").is_dir()
+    assert store.remove_namespace("never-made") is True
+    with pytest.raises(ValueError, match="namespace name"):
+        store.remove_namespace("../elsewhere")
+
+
+def test_spans_of_one_buffer_round_trip_and_stay_inside_it(tmp_path: Path) -> None:
+    layout = Layout(2, 1, 8, 4, dtype="f32", arrangement="layer-major")
+    store = Store(str(tmp_path), g2_bytes=8 << 20, g3_bytes=8 << 20)
+    ns = store.namespace(layout, fingerprint="m")
+    half = layout.payload_bytes // 2
+    pool = torch.arange(8 * half // 4, dtype=torch.float32)  # 8 half-blocks
+    # Block i is half-blocks (i + 4, i) in that order: spans out of order.
+    spans = [[((i + 4) * half, half), (i * half, half)] for i in range(2)]
+    assert all(r == "stored" for r in ns.save_spans(hashes(2), pool, spans).wait())
+    ns.evict_memory()
+    back = torch.zeros_like(pool)
+    res = ns.load_spans(hashes(2), back, spans).wait()
+    assert all(r.ok and r.tier == "g3" for r in res), res
+    raw, got = pool.numpy().view(np.uint8), back.numpy().view(np.uint8)
+    for i in range(2):
+        for off, n in spans[i]:
+            np.testing.assert_array_equal(raw[off : off + n], got[off : off + n])
+    assert int(torch.count_nonzero(back[2 * half // 4 : 4 * half // 4])) == 0, "only the spans are written"
+    # The block's bytes are the spans in order.
+    plain = np.zeros(layout.payload_bytes, dtype=np.uint8)
+    assert ns.load(hashes(1), [plain]).wait()[0].ok
+    np.testing.assert_array_equal(plain, np.concatenate([raw[4 * half : 5 * half], raw[:half]]))
+    with pytest.raises(ValueError, match="outside"):
+        ns.load_spans(hashes(1), back, [[(7 * half, half), (8 * half, half)]])
+    with pytest.raises(ValueError, match="payload"):
+        ns.load_spans(hashes(1), back, [[(0, half)]])
+
+
 def _blocks_on_disk_after_kill_9(tmp_path: Path, g3_sync_ms: int) -> int:
     """Saves 8 blocks in a child process with ``g3_sync_ms``, kills it with
     SIGKILL a second later, and counts the blocks a new store loads from G3."""

@@ -49,12 +49,14 @@
 //! list, pins, CLOCK), `saved_index` (checkpoint and journal),
 //! `recover` (the index rebuilt at open), `slot_read` (batched, verified reads),
 //! `part_read` (reads in parts, layer-major, for a layer-wise restore),
-//! `slot_write` (batched writes, wipes, sync); this file holds the
-//! configuration and opening.
+//! `slot_write` (batched writes, wipes, sync), `remove` (a G3 no store
+//! owns removed, kvtier's files only); this file holds the configuration
+//! and opening.
 
 mod dir_lock;
 mod part_read;
 mod recover;
+mod remove;
 mod saved_index;
 mod slot_read;
 mod slot_write;
