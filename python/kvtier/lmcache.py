@@ -47,6 +47,8 @@ loaded (LMCache then recomputes), never handed over.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import itertools
 import os
@@ -82,8 +84,28 @@ def parse_key(key: str) -> tuple[str, bytes]:
     return model, f"{rank}@{tail}".encode()
 
 
+@functools.lru_cache(maxsize=256)
 def _model_id(model: str) -> str:
     return hashlib.sha256(model.encode()).hexdigest()[:16]
+
+
+def _span(buf: Any, writable: bool) -> tuple[int, int]:
+    """``(address, bytes)`` of a C-contiguous buffer LMCache hands in.
+
+    A writable buffer's address comes from ctypes, several times cheaper
+    than numpy's array interface, which is kept for read-only ones; this
+    runs once per object of every batch."""
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if not mv.c_contiguous:
+        raise ValueError("a buffer that is not C-contiguous")
+    size = mv.nbytes
+    if size == 0:
+        return 0, 0
+    if not mv.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv)), size
+    if writable:
+        raise ValueError("a read-only buffer: a load needs writable memory")
+    return int(np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0]), size
 
 
 class KvtierL2Adapter:
@@ -166,30 +188,30 @@ class KvtierL2Adapter:
 
     def _groups(
         self, keys: Sequence[str], bufs: Sequence[Any], writable: bool
-    ) -> tuple[list[tuple[_kvtier.Namespace, list[int], list[bytes], list[tuple[int, int]]]], list[Any]]:
+    ) -> list[tuple[_kvtier.Namespace, list[int], list[bytes], list[tuple[int, int]]]]:
         if len(keys) != len(bufs):
             raise ValueError(f"{len(keys)} keys but {len(bufs)} buffers")
-        by_ns: dict[int, tuple[_kvtier.Namespace, list[int], list[bytes], list[tuple[int, int]]]] = {}
-        arrays: list[Any] = []
+        by_ns: dict[tuple[str, int], tuple[_kvtier.Namespace, list[int], list[bytes], list[tuple[int, int]]] | None]
+        by_ns = {}
         for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
             model, raw = parse_key(key)
-            a = np.frombuffer(buf, dtype=np.uint8)
-            if writable and not a.flags.writeable:
-                raise ValueError(f"buffer {i} is read-only: a load needs writable memory")
-            arrays.append(a)
-            size = int(a.nbytes)
+            try:
+                addr, size = _span(buf, writable)
+            except ValueError as e:
+                raise ValueError(f"buffer {i}: {e}") from None
             if size == 0:
                 continue
-            ns = self._namespace(model, size, create=not writable)
-            if ns is None:
-                # No block of this size was ever stored: a miss.
+            if (model, size) not in by_ns:
+                ns = self._namespace(model, size, create=not writable)
+                # None: no block of this size was ever stored, a miss.
+                by_ns[(model, size)] = None if ns is None else (ns._ns, [], [], [])
+            group = by_ns[(model, size)]
+            if group is None:
                 continue
-            native = ns._ns
-            group = by_ns.setdefault(id(native), (native, [], [], []))
             group[1].append(i)
             group[2].append(raw)
-            group[3].append((int(a.__array_interface__["data"][0]), size))
-        return list(by_ns.values()), arrays
+            group[3].append((addr, size))
+        return [g for g in by_ns.values() if g is not None]
 
     # -- LMCache's native_plugin interface -----------------------------------
 
@@ -207,8 +229,8 @@ class KvtierL2Adapter:
         batch's future id (its completion is ok once every one is stored)."""
         with self._lock:
             fid = self._next()
-            groups, arrays = self._groups(keys, bufs, writable=False)
-            self._held[fid] = (bufs, arrays)
+            groups = self._groups(keys, bufs, writable=False)
+            self._held[fid] = bufs
             self._completions.submit_save(fid, len(keys), groups)
         return fid
 
@@ -217,8 +239,8 @@ class KvtierL2Adapter:
         completion's per-key list says which were loaded and verified."""
         with self._lock:
             fid = self._next()
-            groups, arrays = self._groups(keys, bufs, writable=True)
-            self._held[fid] = (bufs, arrays)
+            groups = self._groups(keys, bufs, writable=True)
+            self._held[fid] = bufs
             self._completions.submit_load(fid, len(keys), groups)
         return fid
 

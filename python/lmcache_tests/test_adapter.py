@@ -119,6 +119,21 @@ def test_bad_key_is_refused(tmp_path: Path) -> None:
     a.close()
 
 
+def test_bad_buffers_are_refused_and_read_only_ones_still_store(tmp_path: Path) -> None:
+    a = KvtierL2Adapter(cache_dir=str(tmp_path))
+    frozen = memoryview(bytes(range(256)) * 16)
+    assert _wait(a, a.submit_batch_set(KEYS[:1], [frozen]))[1], "a read-only buffer can be stored"
+    with pytest.raises(ValueError, match="buffer 0: a read-only buffer"):
+        a.submit_batch_get(KEYS[:1], [frozen])
+    strided = memoryview(np.zeros(8192, np.uint8))[::2]
+    with pytest.raises(ValueError, match="buffer 0: a buffer that is not C-contiguous"):
+        a.submit_batch_get(KEYS[:1], [strided])
+    dst = np.zeros(4096, np.uint8)
+    assert _wait(a, a.submit_batch_get(KEYS[:1], [memoryview(dst)]))[3] == [True]
+    assert dst.tobytes() == frozen.tobytes()
+    a.close()
+
+
 def test_codec_keeps_objects_as_kv_elements(tmp_path: Path) -> None:
     a = KvtierL2Adapter(cache_dir=str(tmp_path), codec="bf16", kv_dtype="f32")
     src = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
