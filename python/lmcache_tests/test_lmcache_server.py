@@ -59,24 +59,39 @@ def _env() -> dict[str, str]:
     return env
 
 
-class Server:
-    """One ``lmcache server`` with kvtier as its L2."""
+def kvtier_adapter(cache_dir: Path, g2_bytes: int = 64 << 20, g3_bytes: int = 256 << 20) -> dict[str, Any]:
+    """The ``--l2-adapter`` spec of kvtier's adapter on ``cache_dir``."""
+    return {
+        "type": "native_plugin",
+        "module_path": "kvtier.lmcache",
+        "class_name": "KvtierL2Adapter",
+        "adapter_params": {
+            "cache_dir": str(cache_dir),
+            "g2_bytes": g2_bytes,
+            "g3_bytes": g3_bytes,
+            "g3_sync_ms": 200,
+        },
+    }
 
-    def __init__(self, cache_dir: Path, log: Path) -> None:
+
+class Server:
+    """One ``lmcache server`` with kvtier as its L2 (or ``adapter``, an
+    ``--l2-adapter`` spec), L1 of ``l1_gb``, clients of ``num_tokens``."""
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        log: Path,
+        adapter: dict[str, Any] | None = None,
+        l1_gb: float = 0.5,
+        num_tokens: int = NUM_TOKENS,
+    ) -> None:
         self.port = _free_port()
         self.http = _free_port()
         self.shm = f"kvtier-lmc-{os.getpid()}-{self.port}"
-        adapter = {
-            "type": "native_plugin",
-            "module_path": "kvtier.lmcache",
-            "class_name": "KvtierL2Adapter",
-            "adapter_params": {
-                "cache_dir": str(cache_dir),
-                "g2_bytes": 64 << 20,
-                "g3_bytes": 256 << 20,
-                "g3_sync_ms": 200,
-            },
-        }
+        self.num_tokens = num_tokens
+        if adapter is None:
+            adapter = kvtier_adapter(cache_dir)
         cmd = [
             str(Path(sys.executable).parent / "lmcache"),
             "server",
@@ -85,7 +100,7 @@ class Server:
             "--http-host", "127.0.0.1",
             "--http-port", str(self.http),
             "--shm-name", self.shm,
-            "--l1-size-gb", "0.5",
+            "--l1-size-gb", str(l1_gb),
             "--no-l1-use-lazy",
             "--eviction-policy", "LRU",
             "--chunk-size", str(CHUNK),
@@ -142,7 +157,7 @@ class Server:
                 "--rpc-url", f"tcp://127.0.0.1:{self.port}",
                 "--url", f"http://127.0.0.1:{self.http}",
                 "--mode", "cpu",
-                "--num-tokens", str(NUM_TOKENS),
+                "--num-tokens", str(self.num_tokens),
             ]
         )  # fmt: skip
         c = ServerBenchClient(parse_args_to_config(args), lambda _msg: None)
