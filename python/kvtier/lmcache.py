@@ -42,7 +42,13 @@ loaded (LMCache then recomputes), never handed over.
 - ``g3_sync_ms``: blocks only in host memory reach disk within about this
   many milliseconds (default 1000; 0: only when evicted or at close);
 - ``eviction``: the eviction policy of G2 and G3 (``kvtier``, ``lru``,
-  ``fifo``, ``s3fifo``, ``clock``).
+  ``fifo``, ``s3fifo``, ``clock``);
+- ``warm_read_buffers``: fault G2's read buffers in at start, on a
+  background thread (default true; it commits ``g2_bytes`` of memory then),
+  so restores after a restart do not read into fresh memory.
+
+Namespaces found under ``cache_dir`` are opened when the adapter is built,
+at the server's start.
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ from .store import Layout, Namespace, Store
 __all__ = ["KvtierL2Adapter", "parse_key"]
 
 _ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-_NAME = re.compile(r"^lmc-([0-9a-f]{16})-(\d+)$")
+_NAME = re.compile(r"^lmc-([0-9a-f]{32})-(\d+)$")
 
 
 def parse_key(key: str) -> tuple[str, bytes]:
@@ -86,7 +92,10 @@ def parse_key(key: str) -> tuple[str, bytes]:
 
 @functools.lru_cache(maxsize=256)
 def _model_id(model: str) -> str:
-    return hashlib.sha256(model.encode()).hexdigest()[:16]
+    """128 bits of the model name's SHA-256, in hex: the namespace's name
+    and fingerprint, so a restarted adapter opens the namespaces it finds
+    on disk before it has seen a key (the name alone names the model)."""
+    return hashlib.sha256(model.encode()).hexdigest()[:32]
 
 
 def _span(buf: Any, writable: bool) -> tuple[int, int]:
@@ -122,6 +131,7 @@ class KvtierL2Adapter:
         kv_dtype: str = "f16",
         g3_sync_ms: int = 1000,
         eviction: str = "kvtier",
+        warm_read_buffers: bool = True,
     ) -> None:
         if codec != "none" and kv_dtype not in _ELEMENT_BYTES:
             raise ValueError(f"kv_dtype must be one of {sorted(_ELEMENT_BYTES)}, not {kv_dtype!r}")
@@ -137,16 +147,20 @@ class KvtierL2Adapter:
         # Per future id, the buffers its batch reads or writes: held until
         # its completion is drained.
         self._held: dict[int, Sequence[Any]] = {}
-        # model id -> object size -> namespace; and the sizes found on
-        # disk, opened when first asked for.
+        # model id -> object size -> namespace.
         self._open: dict[str, dict[int, Namespace]] = {}
-        self._on_disk: dict[str, set[int]] = {}
         self._closed = False
+        # The first namespace opened faults G2's read buffers in (G2 is
+        # shared by all of them), so restores after a restart do not read
+        # into fresh memory.
+        self._warm = bool(warm_read_buffers)
+        # Every namespace on disk is opened now, at the server's start:
+        # lookups after a restart find what the last run stored.
         if os.path.isdir(self._cache_dir):
-            for entry in os.listdir(self._cache_dir):
+            for entry in sorted(os.listdir(self._cache_dir)):
                 m = _NAME.match(entry)
                 if m:
-                    self._on_disk.setdefault(m[1], set()).add(int(m[2]))
+                    self._open_namespace(m[1], int(m[2]))
 
     # -- namespaces --------------------------------------------------------
 
@@ -158,33 +172,28 @@ class KvtierL2Adapter:
             return None
         return Layout(1, 1, size // elem, 1, dtype=self._kv_dtype, arrangement="latent", codec=self._codec)
 
-    def _namespace(self, model: str, size: int, create: bool) -> Namespace | None:
-        mid = _model_id(model)
-        opened = self._open.setdefault(mid, {})
-        ns = opened.get(size)
-        if ns is not None:
-            return ns
-        if not create and size not in self._on_disk.get(mid, set()):
-            return None
+    def _open_namespace(self, mid: str, size: int) -> Namespace | None:
         layout = self._layout(size)
         if layout is None:
             return None
-        name = f"lmc-{mid}-{size}"
         if self._store is None:
             raise RuntimeError("the kvtier L2 adapter is closed")
-        ns = self._store.namespace(layout, fingerprint=f"lmcache\0{model}", name=name)
-        opened[size] = ns
+        ns = self._store.namespace(
+            layout, fingerprint=f"lmcache\0{mid}", name=f"lmc-{mid}-{size}", warm_read_buffers=self._warm
+        )
+        self._warm = False
+        self._open.setdefault(mid, {})[size] = ns
         return ns
 
-    def _all_namespaces(self, model: str) -> list[Namespace]:
+    def _namespace(self, model: str, size: int, create: bool) -> Namespace | None:
+        """The namespace of ``model``'s objects of ``size`` bytes; one not
+        open yet is made only if ``create`` (a store), else ``None`` (no
+        such object was ever stored: a miss)."""
         mid = _model_id(model)
-        sizes = set(self._open.get(mid, {})) | self._on_disk.get(mid, set())
-        out = []
-        for size in sorted(sizes):
-            ns = self._namespace(model, size, create=False)
-            if ns is not None:
-                out.append(ns)
-        return out
+        ns = self._open.get(mid, {}).get(size)
+        if ns is not None or not create:
+            return ns
+        return self._open_namespace(mid, size)
 
     def _groups(
         self, keys: Sequence[str], bufs: Sequence[Any], writable: bool
@@ -252,7 +261,7 @@ class KvtierL2Adapter:
             groups: dict[int, tuple[_kvtier.Namespace, list[int], list[bytes]]] = {}
             for i, key in enumerate(keys):
                 model, raw = parse_key(key)
-                for ns in self._all_namespaces(model):
+                for ns in self._open.get(_model_id(model), {}).values():
                     g = groups.setdefault(id(ns._ns), (ns._ns, [], []))
                     g[1].append(i)
                     g[2].append(raw)

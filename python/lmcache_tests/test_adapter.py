@@ -59,13 +59,16 @@ def test_store_lookup_load_and_restart(tmp_path: Path) -> None:
     a.close()
     assert sorted(os.listdir(tmp_path)) == [f"lmc-{_model_id('model-a')}-100", f"lmc-{_model_id('model-a')}-4096"]
 
-    b = KvtierL2Adapter(cache_dir=str(tmp_path))
+    b = KvtierL2Adapter(cache_dir=str(tmp_path), g2_bytes=16 << 20)
+    # Both namespaces are open at once, and one faults G2's read buffers in.
+    opened = b.metrics()["namespaces"]
+    assert sorted(opened) == sorted(os.listdir(tmp_path))
+    assert sorted(n["read_buffers_warm_target"] > 0 for n in opened.values()) == [False, True]
     assert _wait(b, b.submit_batch_exists(keys))[3] == [True, False, True, False, True]
     dst = [_buf(4096, 0) for _ in range(4)] + [_buf(100, 0)]
     _, _, _, per_key = _wait(b, b.submit_batch_get(keys, [memoryview(d) for d in dst]))
     assert per_key == [True, False, True, False, True]
     assert bytes(dst[2]) == bytes(srcs[2])
-    assert b.metrics()["namespaces"]
     b.close()
 
 
