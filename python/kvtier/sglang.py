@@ -57,6 +57,7 @@ _DEFAULTS: dict[str, Any] = {
     "eviction": "kvtier",
     "fingerprint": None,
     "namespace": None,
+    "warm_read_buffers": True,
 }
 
 #: Keys SGLang itself reads from the same dict (the dynamic loader's, its
@@ -80,8 +81,13 @@ _DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float8_e4m3f
 _MHA_LAYOUTS = {"layer_first": "layer-major", "page_first": "kv-major", "page_first_direct": "kv-major"}
 _MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
-_STORES: dict[str, Store] = {}
+#: Per cache directory, this process's store and how many backends use it
+#: (a store directory has one owner: one store per directory and process).
+_STORES: dict[str, tuple[Store, int]] = {}
 _STORES_LOCK = threading.Lock()
+#: Stores (by cache_dir) whose G2 read buffers a namespace already warms:
+#: G2 is shared, so one namespace per store asks.
+_WARMED: set[str] = set()
 
 
 def default_cache_dir() -> str:
@@ -110,15 +116,16 @@ class SglangConfig:
         self.eviction: str = str(v["eviction"])
         self.fingerprint: str | None = None if v["fingerprint"] in (None, "") else str(v["fingerprint"])
         self.namespace: str | None = None if v["namespace"] in (None, "") else str(v["namespace"])
+        self.warm_read_buffers: bool = bool(v["warm_read_buffers"])
         self.interface_v1: bool = bool(int(extra.get("interface_v1", 0)))
 
 
 def _store_for(config: SglangConfig) -> Store:
-    """This process's store of ``config.cache_dir`` (a store directory has
-    one owner: one store per directory and process)."""
+    """This process's store of ``config.cache_dir``, for one more backend
+    (each gives it back with :func:`_release_store` when it closes)."""
     with _STORES_LOCK:
-        store = _STORES.get(config.cache_dir)
-        if store is None:
+        held = _STORES.get(config.cache_dir)
+        if held is None:
             os.makedirs(config.cache_dir, exist_ok=True)
             store = Store(
                 config.cache_dir,
@@ -128,8 +135,25 @@ def _store_for(config: SglangConfig) -> Store:
                 g3_sync_ms=config.g3_sync_ms,
                 eviction=config.eviction,
             )
-            _STORES[config.cache_dir] = store
-        return store
+            held = (store, 0)
+        _STORES[config.cache_dir] = (held[0], held[1] + 1)
+        return held[0]
+
+
+def _release_store(cache_dir: str) -> None:
+    """One backend of ``cache_dir`` is done with its store; the last one
+    lets the store go, so the directory can be opened again (by a later
+    backend of this process, or by another process)."""
+    with _STORES_LOCK:
+        held = _STORES.get(cache_dir)
+        if held is None:
+            return
+        if held[1] > 1:
+            _STORES[cache_dir] = (held[0], held[1] - 1)
+            return
+        del _STORES[cache_dir]
+        _WARMED.discard(cache_dir)
+    held[0].flush()
 
 
 def _raw_key(key: str) -> bytes:
@@ -177,7 +201,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
     def __init__(self, storage_config: Any, kwargs: Mapping[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self.config = SglangConfig(storage_config.extra_config)
-        self.store = _store_for(self.config)
+        self.store: Store | None = _store_for(self.config)
         self.is_mla = bool(storage_config.is_mla_model)
         self.tp_rank = int(storage_config.tp_rank)
         self.tp_size = int(storage_config.tp_size)
@@ -241,11 +265,17 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         base = self._base_name(flat)
         gen = self._generation(base)
         name = f"{base}-g{gen}"
-        return self.store.namespace(
+        warm = False
+        if not flat and self.config.warm_read_buffers:
+            with _STORES_LOCK:
+                warm = self.config.cache_dir not in _WARMED
+                _WARMED.add(self.config.cache_dir)
+        return self._live_store().namespace(
             self.layout,
             fingerprint=self._fingerprint(flat),
             salt=f"generation={gen}".encode(),
             name=name,
+            warm_read_buffers=warm,
         )
 
     # -- SGLang's interface ----------------------------------------------------
@@ -278,10 +308,16 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         for flat in (False, True):
             base = self._base_name(flat)
             for old in range(self._generation(base)):
-                self.store.remove_namespace(f"{base}-g{old}")
+                self._live_store().remove_namespace(f"{base}-g{old}")
+
+    def _live_store(self) -> Store:
+        if self.store is None:
+            raise RuntimeError("kvtier.sglang: the backend is closed")
+        return self.store
 
     def _namespace(self) -> Namespace:
         with self._lock:
+            self._live_store()
             if self._ns is None:
                 raise RuntimeError("kvtier.sglang: no host pool registered (register_mem_pool_host)")
             return self._ns
@@ -337,8 +373,14 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         buffer = self.mem_pool_host.kv_buffer
         t = ns.load_spans(raw, buffer, spans) if load else ns.save_spans(raw, buffer, spans)
         ok = [bool(r.ok) for r in t.wait() or []]
-        pgs, bws = (self._prefetch_pgs, self._prefetch_bw) if load else (self._backup_pgs, self._backup_bw)
-        self._note(pgs, bws, sum(ok), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        if load:
+            # SGLang uses the pages before the first one not read: those
+            # are what the prefetch metrics count.
+            used = next((i for i, v in enumerate(ok) if not v), len(ok))
+            self._note(self._prefetch_pgs, self._prefetch_bw, used, seconds)
+        else:
+            self._note(self._backup_pgs, self._backup_bw, sum(ok), seconds)
         return ok
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -439,7 +481,14 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         return self._namespace()
 
     def close(self) -> None:
-        """Writes every block not yet on disk (SGLang calls it on detach)."""
-        ns = self._ns
+        """Writes every block not yet on disk and lets the store go: the
+        last backend of a directory in this process closes its store, so
+        another may open the directory (SGLang calls it on detach). The
+        backend is not used after."""
+        with self._lock:
+            ns, self._ns, self._flat_ns = self._ns, None, None
+            store, self.store = self.store, None
         if ns is not None:
             ns.flush()
+        if store is not None:
+            _release_store(self.config.cache_dir)

@@ -5,9 +5,11 @@ Run by scripts/sglang-e2e in the cached SGLang venv (scripts/sglang-env)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -166,6 +168,34 @@ def test_clear_forgets_every_page_across_a_reopen(tmp_path: Path, mha) -> None:
     again = make_backend(spec, pool, kvtier_extra(str(tmp_path)))
     assert again.namespace.name == b.namespace.name
     assert again.batch_exists(keys) == 0
+
+
+def test_the_last_backend_to_close_lets_the_directory_go(tmp_path: Path, mha) -> None:
+    spec, pool = mha
+    fill(pool, 6)
+    a = make_backend(spec, pool, kvtier_extra(str(tmp_path)))
+    b = make_backend(spec, pool, kvtier_extra(str(tmp_path)))
+    assert a.store is b.store  # one store per directory and process
+    first = weakref.ref(a.store)
+    keys = page_keys(2, spec.page_size, 6)
+    assert a.batch_set_v1(keys, page_indices([1, 2], spec.page_size)) == [True, True]
+    old = a.namespace.name
+    a.clear()
+    a.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        a.batch_exists(keys)
+    # b still holds the store, and the old generation with it.
+    assert b.batch_exists(keys) == 2
+    assert (tmp_path / old).is_dir()
+    b.close()
+    # Let go (the store is gone), so a new backend opens a new store, which
+    # removes the old generation.
+    gc.collect()
+    assert first() is None
+    c = make_backend(spec, pool, kvtier_extra(str(tmp_path)))
+    assert not (tmp_path / old).exists()
+    assert c.batch_exists(keys) == 0
+    c.close()
 
 
 def test_namespaces_by_model_and_layout(tmp_path: Path) -> None:

@@ -36,9 +36,10 @@ def main() -> None:
             fill(pool, seed)
             r["set"] = b.batch_set_v1(keys, page_indices(WRITE_PAGES, spec.page_size))
             r["set_again"] = b.batch_set_v1(keys, page_indices(WRITE_PAGES, spec.page_size))
-            b.close()
+            b.namespace.flush()
             r["where"] = [b.namespace.locate(bytes.fromhex(k)) for k in keys]
             r["payload_bytes"] = b.layout.stored_payload_bytes
+            b.close()
         else:
             expected = make_pool(spec)
             fill(expected, seed)
