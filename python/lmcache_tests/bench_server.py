@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "testing"))
 
+from servers import drop_page_cache
 from test_lmcache_server import CHUNK, Server, kvtier_adapter
 
 
@@ -49,17 +51,6 @@ def adapters(root: Path) -> dict[str, dict[str, Any]]:
         "fs_native": {"type": "fs_native", "base_path": str(root)},
         "fs_native_odirect": {"type": "fs_native", "base_path": str(root), "use_odirect": True},
     }
-
-
-def drop_page_cache(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file() and not p.is_symlink():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def request(client: Any, seq: int, kind: str) -> Any:

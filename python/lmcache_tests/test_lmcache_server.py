@@ -36,6 +36,7 @@ import pytest
 from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
 from lmcache.cli.commands.bench.server_bench.command import add_server_arguments
 from lmcache.cli.commands.bench.server_bench.config import parse_args_to_config
+from servers import wait_until_up
 
 from kvtier import Layout
 from kvtier.lmcache import _NAME
@@ -110,19 +111,11 @@ class Server:
         self.log = log
         self._out = log.open("ab")
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=_env())
-        deadline = time.monotonic() + 180
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"lmcache server exited {self.proc.returncode}: {self._tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/healthcheck", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"lmcache server did not come up: {self._tail()}")
-            time.sleep(0.5)
+        url = f"http://127.0.0.1:{self.http}/healthcheck"
+        if not wait_until_up(self.proc, url, 180, "lmcache server", self._tail):
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"lmcache server did not come up: {self._tail()}")
 
     def _tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]

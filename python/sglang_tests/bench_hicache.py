@@ -20,24 +20,17 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "testing"))
+
 import torch
 from pools import PoolSpec, fill, kvtier_extra, make_backend, make_pool, page_bytes, page_indices, page_keys
+from servers import drop_page_cache
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
-
-
-def drop_page_cache(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def read_kvtier(b: Any, keys: list[str], idx: torch.Tensor, page_size: int) -> int:

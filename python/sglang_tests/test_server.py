@@ -51,6 +51,7 @@ import pytest
 import sglang_cpu
 import torch
 from pools import PoolSpec, kvtier_extra, make_pool, page_indices, storage_config
+from servers import wait_until_up
 
 import make_model
 
@@ -152,19 +153,8 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"SGLang exited with {self.proc.returncode} while starting:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"SGLang not healthy after {timeout:.0f} s:\n{self.tail()}")
-            time.sleep(1)
+        if not wait_until_up(self.proc, f"http://127.0.0.1:{self.port}/health", timeout, "SGLang", self.tail):
+            raise RuntimeError(f"SGLang not healthy after {timeout:.0f} s:\n{self.tail()}")
 
     def tail(self, chars: int = 6000) -> str:
         return self.log.read_text(errors="replace")[-chars:]

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from servers import wait_until_up
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 nobody listens on now."""
@@ -120,19 +122,10 @@ class VllmServer:
         self._wait_healthy(timeout=300)
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.kill9()
-        raise RuntimeError(f"vLLM not healthy after {timeout} s:\n{self.log_tail()}")
+        url = f"http://127.0.0.1:{self.port}/health"
+        if not wait_until_up(self.proc, url, timeout, "vLLM", self.log_tail):
+            self.kill9()
+            raise RuntimeError(f"vLLM not healthy after {timeout} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 60) -> str:
         try:
