@@ -75,6 +75,7 @@ def test_a_process_started_on_fewer_cpus_keeps_its_threads_on_them(tmp_path: Pat
     script = (
         "import json, sys; from pathlib import Path; "
         f"sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'testing')!r}); "
         "from test_worker_threads import _open_pinned; "
         "got = _open_pinned(Path(sys.argv[1]), unpinned=True); "
         "print(json.dumps({str(t): sorted(c) for t, c in got['threads'].items()}))"
