@@ -81,13 +81,21 @@ _DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float8_e4m3f
 _MHA_LAYOUTS = {"layer_first": "layer-major", "page_first": "kv-major", "page_first_direct": "kv-major"}
 _MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
-#: Per cache directory, this process's store and how many backends use it
-#: (a store directory has one owner: one store per directory and process).
-_STORES: dict[str, tuple[Store, int]] = {}
+
+class _Held:
+    """This process's store of one cache directory (a store directory has
+    one owner: one store per directory and process), how many backends use
+    it, and whether one of its namespaces warms G2's read buffers (G2 is
+    shared, so one asks)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.users = 0
+        self.warmed = False
+
+
+_STORES: dict[str, _Held] = {}
 _STORES_LOCK = threading.Lock()
-#: Stores (by cache_dir) whose G2 read buffers a namespace already warms:
-#: G2 is shared, so one namespace per store asks.
-_WARMED: set[str] = set()
 
 
 def default_cache_dir() -> str:
@@ -127,33 +135,43 @@ def _store_for(config: SglangConfig) -> Store:
         held = _STORES.get(config.cache_dir)
         if held is None:
             os.makedirs(config.cache_dir, exist_ok=True)
-            store = Store(
-                config.cache_dir,
-                g2_bytes=config.g2_bytes,
-                g3_bytes=config.g3_bytes,
-                remote=config.remote,
-                g3_sync_ms=config.g3_sync_ms,
-                eviction=config.eviction,
+            held = _Held(
+                Store(
+                    config.cache_dir,
+                    g2_bytes=config.g2_bytes,
+                    g3_bytes=config.g3_bytes,
+                    remote=config.remote,
+                    g3_sync_ms=config.g3_sync_ms,
+                    eviction=config.eviction,
+                )
             )
-            held = (store, 0)
-        _STORES[config.cache_dir] = (held[0], held[1] + 1)
-        return held[0]
+            _STORES[config.cache_dir] = held
+        held.users += 1
+        return held.store
 
 
 def _release_store(cache_dir: str) -> None:
     """One backend of ``cache_dir`` is done with its store; the last one
-    lets the store go, so the directory can be opened again (by a later
-    backend of this process, or by another process)."""
+    lets the store go (a store flushes when dropped), so the directory can
+    be opened again, by a later backend of this process or by another
+    process."""
     with _STORES_LOCK:
         held = _STORES.get(cache_dir)
-        if held is None:
-            return
-        if held[1] > 1:
-            _STORES[cache_dir] = (held[0], held[1] - 1)
-            return
-        del _STORES[cache_dir]
-        _WARMED.discard(cache_dir)
-    held[0].flush()
+        if held is not None:
+            held.users -= 1
+            if held.users == 0:
+                del _STORES[cache_dir]
+
+
+def _take_warming(cache_dir: str) -> bool:
+    """Whether the caller's namespace is the first of the store of
+    ``cache_dir`` to warm G2's read buffers (then the others do not)."""
+    with _STORES_LOCK:
+        held = _STORES.get(cache_dir)
+        if held is None or held.warmed:
+            return False
+        held.warmed = True
+        return True
 
 
 def _raw_key(key: str) -> bytes:
@@ -265,11 +283,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         base = self._base_name(flat)
         gen = self._generation(base)
         name = f"{base}-g{gen}"
-        warm = False
-        if not flat and self.config.warm_read_buffers:
-            with _STORES_LOCK:
-                warm = self.config.cache_dir not in _WARMED
-                _WARMED.add(self.config.cache_dir)
+        warm = not flat and self.config.warm_read_buffers and _take_warming(self.config.cache_dir)
         return self._live_store().namespace(
             self.layout,
             fingerprint=self._fingerprint(flat),
@@ -486,9 +500,10 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang's ba
         another may open the directory (SGLang calls it on detach). The
         backend is not used after."""
         with self._lock:
-            ns, self._ns, self._flat_ns = self._ns, None, None
+            opened = [n for n in (self._ns, self._flat_ns) if n is not None]
+            self._ns, self._flat_ns = None, None
             store, self.store = self.store, None
-        if ns is not None:
+        for ns in opened:
             ns.flush()
         if store is not None:
             _release_store(self.config.cache_dir)
