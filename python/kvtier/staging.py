@@ -29,6 +29,8 @@ import torch
 KV_PER_BLOCK = "kv-per-block"
 #: Per token, K then V (``head_size`` values each).
 KV_PER_TOKEN = "kv-per-token"
+#: Per token, one MLA latent row: pages copied as they are.
+LATENT = "latent"
 
 #: How each of vLLM's attention backends (by ``get_name()``) arranges a
 #: page; a backend not named here is refused rather than guessed.
@@ -37,6 +39,11 @@ VLLM_BACKENDS = {
     "FLASH_ATTN": KV_PER_TOKEN,
     "TRITON_ATTN": KV_PER_TOKEN,
     "FLEX_ATTENTION": KV_PER_TOKEN,
+    "CPU_MLA": LATENT,
+    "TRITON_MLA": LATENT,
+    "FLASHMLA": LATENT,
+    "FLASHINFER_MLA": LATENT,
+    "CUTLASS_MLA": LATENT,
 }
 
 
@@ -58,10 +65,10 @@ class PageStaging:
     def __init__(self, layers: list[torch.Tensor], arrangement: str) -> None:
         if not layers:
             raise ValueError("kvtier: no KV cache tensors to stage")
-        if arrangement not in (KV_PER_BLOCK, KV_PER_TOKEN):
+        if arrangement not in (KV_PER_BLOCK, KV_PER_TOKEN, LATENT):
             raise ValueError(f"kvtier: unknown page arrangement {arrangement!r}")
         first = layers[0]
-        if first.dim() != 4 or first.shape[-1] % 2:
+        if arrangement != LATENT and (first.dim() != 4 or first.shape[-1] % 2):
             raise ValueError(
                 f"kvtier: a KV cache of shape {tuple(first.shape)}; expected [num_blocks, kv_heads, "
                 "block_size, 2 * head_size]"
@@ -74,9 +81,10 @@ class PageStaging:
                 )
         self.layers = layers
         self.arrangement = arrangement
-        _, self.heads, self.tokens, two_d = first.shape
-        self.head_size = two_d // 2
-        self.page_elems = self.heads * self.tokens * two_d
+        self.page_elems = first[0].numel()
+        if arrangement != LATENT:
+            _, self.heads, self.tokens, two_d = first.shape
+            self.head_size = two_d // 2
 
     def buffer(self, blocks: int) -> torch.Tensor:
         """An uninitialised host buffer for ``blocks`` pages of every layer,
@@ -96,12 +104,18 @@ class PageStaging:
         return [[host[li, i] for li in range(host.shape[0])] for i in range(host.shape[1])]
 
     def _canonical(self, page: torch.Tensor) -> torch.Tensor:
-        """``[n, heads, 2, tokens, head_size]`` view of host pages."""
+        """``[n, heads, 2, tokens, head_size]`` view of host pages
+        (``[n, page]`` for :data:`LATENT`)."""
+        if self.arrangement == LATENT:
+            return page.view(-1, self.page_elems)
         return page.view(-1, self.heads, 2, self.tokens, self.head_size)
 
     def _device_view(self, sel: torch.Tensor) -> torch.Tensor:
         """Pages gathered from a layer (``[n, heads, tokens, 2 * head_size]``)
-        seen as ``[n, heads, 2, tokens, head_size]`` (no copy)."""
+        seen as ``[n, heads, 2, tokens, head_size]`` (no copy; ``[n, page]``
+        for :data:`LATENT`)."""
+        if self.arrangement == LATENT:
+            return sel.reshape(-1, self.page_elems)
         if self.arrangement == KV_PER_BLOCK:
             return sel.reshape(-1, self.heads, 2, self.tokens, self.head_size)
         return sel.reshape(-1, self.heads, self.tokens, 2, self.head_size).transpose(2, 3)
@@ -133,4 +147,4 @@ class PageStaging:
             pages = self._canonical(host[li].to(device, non_blocking=True))
             if self.arrangement == KV_PER_TOKEN:
                 pages = pages.transpose(2, 3)
-            t.index_copy_(0, idx, pages.reshape(n, self.heads, self.tokens, 2 * self.head_size))
+            t.index_copy_(0, idx, pages.reshape(n, *t.shape[1:]))

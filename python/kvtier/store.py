@@ -220,13 +220,21 @@ class Namespace:
         keys = _hashes(keys)
         return self._ns._save(keys, self._spans(keys, owner, spans, False), owner)
 
-    def _pages(self, layers: Sequence[_Memory], block_ids: Sequence[int], writable: bool) -> list[list[_Piece]]:
+    def _pages(
+        self, layers: Sequence[_Memory], block_ids: Sequence[int], writable: bool, part: tuple[int, int]
+    ) -> list[list[_Piece]]:
         layout = self.layout
         if layout.arrangement == "kv-major":
             raise ValueError("pages need a layout whose layers are contiguous (not kv-major)")
         if len(layers) != layout.layers:
             raise ValueError(f"{len(layers)} layer tensors for a {layout.layers}-layer layout")
-        page = layout.layer_bytes
+        index, count = (int(x) for x in part)
+        if not 0 <= index < count:
+            raise ValueError(f"part {index} of {count}")
+        # A block's layer is part ``index`` of ``count`` equal runs of the
+        # tensor's page (one KV head of a page of ``count`` heads).
+        piece = layout.layer_bytes
+        page = piece * count
         bases: list[tuple[int, int]] = []
         for li, t in enumerate(layers):
             addr, n = _memory(t, writable)
@@ -240,8 +248,7 @@ class Namespace:
             for li, (addr, pages) in enumerate(bases):
                 if not 0 <= b < pages:
                     raise ValueError(f"block id {b} is outside layer {li}'s {pages} pages")
-                start = li * page
-                block.append((start, addr + b * page, page))
+                block.append((li * piece, addr + b * page + index * piece, piece))
             out.append(block)
         return out
 
@@ -251,23 +258,34 @@ class Namespace:
         layers: Sequence[_Memory],
         block_ids: Sequence[int],
         layerwise: bool = False,
+        part: tuple[int, int] = (0, 1),
     ) -> Transfer:
         """Starts loading block ``keys[i]`` into page ``block_ids[i]`` of
         every layer tensor (``layers[l]``: C-contiguous, ``[num_pages,
         ...]``, each page one layer of one block: vLLM's KV cache tensors).
-        Returns at once. ``layerwise`` as for :meth:`load`."""
+        Returns at once. ``layerwise`` as for :meth:`load`. ``part=(j, n)``:
+        each page is ``n`` equal runs (a page of ``n`` KV heads, head-major)
+        and the block is run ``j`` of every page, so one head of a page is
+        its own block."""
         keys = _hashes(keys)
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
-        return self._ns._load(keys, self._pages(layers, block_ids, True), list(layers), layerwise)
+        return self._ns._load(keys, self._pages(layers, block_ids, True, part), list(layers), layerwise)
 
-    def save_pages(self, keys: Sequence[BlockHash], layers: Sequence[_Memory], block_ids: Sequence[int]) -> Transfer:
-        """Starts saving page ``block_ids[i]`` of every layer tensor as the
-        block ``keys[i]`` (as :meth:`load_pages`). Returns at once."""
+    def save_pages(
+        self,
+        keys: Sequence[BlockHash],
+        layers: Sequence[_Memory],
+        block_ids: Sequence[int],
+        part: tuple[int, int] = (0, 1),
+    ) -> Transfer:
+        """Starts saving page ``block_ids[i]`` of every layer tensor (run
+        ``part[0]`` of ``part[1]`` of it) as the block ``keys[i]`` (as
+        :meth:`load_pages`). Returns at once."""
         keys = _hashes(keys)
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
-        return self._ns._save(keys, self._pages(layers, block_ids, False), list(layers))
+        return self._ns._save(keys, self._pages(layers, block_ids, False, part), list(layers))
 
     def flush(self) -> None:
         """Writes every block not yet on disk and syncs."""

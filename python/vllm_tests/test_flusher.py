@@ -37,15 +37,15 @@ def test_saves_reach_g3_once_copied_and_a_stop_writes_the_rest(tmp_path: Path) -
 
     # Handed to the flusher, it reaches G3 with nobody calling flush (one
     # flush takes every block in G2, the earlier save's too).
-    flusher = Flusher(ns)
-    flusher.add(ns.save_pages(keys[2:4], layers, [2, 3]))
+    flusher = Flusher()
+    flusher.add(ns, ns.save_pages(keys[2:4], layers, [2, 3]))
     deadline = time.monotonic() + 60
     while ns.stats()["g3_blocks"] < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert ns.stats()["g3_blocks"] == 4
 
     # A stop right after a save still writes it.
-    flusher.add(ns.save_pages(keys[4:], layers, [4, 5]))
+    flusher.add(ns, ns.save_pages(keys[4:], layers, [4, 5]))
     flusher.stop()
     assert ns.stats()["g3_blocks"] == 6
     assert ns.stats()["writeback_pending"] == 0

@@ -7,8 +7,8 @@ corrupt is reported to vLLM, which recomputes it: wrong KV is never served.
 
 Start vLLM with ``--kv-transfer-config '{"kv_connector": "KvtierConnector",
 "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
-"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'``
-and ``--disable-hybrid-kv-cache-manager``. docs/guides/vllm.md describes every
+"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'``;
+hybrid models keep vLLM's hybrid KV cache manager. docs/guides/vllm.md describes every
 ``kv_connector_extra_config`` key (:class:`~kvtier.vllm.config.ConnectorConfig`
 holds them) and the decisions the connector makes.
 
@@ -18,8 +18,12 @@ The modules, one concept each:
 - :mod:`.config`: the ``kv_connector_extra_config`` keys and defaults;
 - :mod:`.keys`: what names a block besides its tokens (model fingerprint,
   request salt);
-- :mod:`.namespace`: the store of a cache directory and a rank's namespace;
-- :mod:`.lookup`: the socket the scheduler asks rank 0's worker through;
+- :mod:`.groups`: KV cache groups (full, sliding-window, MLA) and the KV
+  heads a tensor-parallel rank holds;
+- :mod:`.namespace`: the store of a cache directory and the namespace of
+  each group and KV head;
+- :mod:`.lookup`: the sockets the scheduler asks every rank's worker
+  through;
 - :mod:`.metadata`: the loads and saves handed to the workers each step;
 - :mod:`.scheduler`: the scheduler side (lookups, what to load and save);
 - :mod:`.worker`: the worker side (loads, layer by layer or between steps,
@@ -35,14 +39,14 @@ from .connector import KvtierConnector
 from .keys import model_fingerprint, request_salt
 from .metadata import KvtierConnectorMetadata
 from .metrics import KvtierConnectorStats, KvtierPromMetrics
-from .namespace import connector_namespace
+from .namespace import connector_namespaces
 
 __all__ = [
     "KvtierConnector",
     "KvtierConnectorMetadata",
     "KvtierConnectorStats",
     "KvtierPromMetrics",
-    "connector_namespace",
+    "connector_namespaces",
     "model_fingerprint",
     "request_salt",
 ]

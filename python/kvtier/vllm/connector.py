@@ -11,9 +11,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from .config import ConnectorConfig
+from .groups import kv_groups
 from .metadata import KvtierConnectorMetadata
 from .metrics import KvtierConnectorStats, KvtierPromMetrics
 from .scheduler import KvtierScheduler
@@ -31,9 +34,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvtier's tiered store (docs/guides/vllm.md
-    lists its configuration; :mod:`kvtier.vllm` its modules)."""
+    lists its configuration; :mod:`kvtier.vllm` its modules). It supports
+    vLLM's hybrid KV cache manager (``SupportsHMA``): every KV cache group
+    is kept under its own keys (:mod:`.groups`)."""
 
     def __init__(
         self,
@@ -42,13 +47,22 @@ class KvtierConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("kvtier: vLLM built the connector without its KV cache config (vLLM 0.32 or later)")
         config = ConnectorConfig.from_vllm(vllm_config)
         self._scheduler: KvtierScheduler | None = None
         self._worker: KvtierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KvtierScheduler(vllm_config, config)
+            self._scheduler = KvtierScheduler(vllm_config, config, kv_groups(kv_cache_config), self._table)
         else:
-            self._worker = KvtierWorker(vllm_config, config)
+            self._worker = KvtierWorker(vllm_config, config, kv_cache_config)
+
+    def _table(self, req_id: str) -> tuple[list[int], ...]:
+        """A request's current block table, per KV cache group."""
+        if self._kv_cache_manager is None:
+            raise RuntimeError("kvtier: vLLM did not bind its KV cache manager to the connector")
+        table: tuple[list[int], ...] = self._kv_cache_manager.get_block_ids(req_id)
+        return table
 
     @property
     def scheduler_side(self) -> KvtierScheduler:
@@ -81,23 +95,35 @@ class KvtierConnector(KVConnectorBase_V1):
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """Hands this step's loads and saves to the workers."""
-        return self.scheduler_side.build_connector_meta()
+        """Hands this step's loads, saves and fence to the workers."""
+        return self.scheduler_side.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Notes the async loads the workers finished."""
         self.scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves the prompt's full blocks that kvtier did not hold; holds
-        the blocks until the save (or a load still in flight) is done."""
-        return self.scheduler_side.request_finished(request, block_ids)
+        """Forgets the request (its blocks were saved step by step); holds
+        its blocks only while an async load still writes them."""
+        return self.scheduler_side.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` under the hybrid KV cache manager."""
+        return self.scheduler_side.request_finished(request)
 
     # ------------------------------------------------------------- worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Opens this rank's namespace over the per-layer KV tensors."""
+        """Opens this rank's namespaces over the per-layer KV tensors."""
         self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward pass: waits for saves still copying
+        from blocks the step hands out anew."""
+        assert isinstance(kv_connector_metadata, KvtierConnectorMetadata)
+        self.worker_side.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Starts every load of this step at once."""
@@ -111,23 +137,30 @@ class KvtierConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        """Nothing per layer: saves copy whole blocks of finished requests
-        (see :meth:`wait_for_save`)."""
+        """Nothing per layer: saves copy whole blocks after the forward
+        pass (see :meth:`wait_for_save`)."""
         return
 
     def wait_for_save(self) -> None:
-        """Starts this step's saves on kvtier's threads and returns: the
-        blocks stay held until :meth:`get_finished` reports them."""
+        """Starts this step's saves on kvtier's threads and returns: a
+        block handed out again waits for them (:meth:`handle_preemptions`)."""
         if not self.has_connector_metadata():
             return
         self.worker_side.wait_for_save(self._metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose saves (sending) and async loads (receiving) are
-        done."""
+        """Requests whose async loads are done (receiving); kvtier holds no
+        blocks for saves, so none is ever sending."""
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Async loads done, and those of them that failed (with more than
+        one KV cache group, vLLM recomputes such a request whole)."""
         if self._worker is None:
-            return None, None
-        return self._worker.get_finished(finished_req_ids)
+            return KVConnectorTransferResults()
+        recving, failed = self._worker.get_finished()
+        return KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (vLLM

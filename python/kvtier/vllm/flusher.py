@@ -27,17 +27,17 @@ logger = logging.getLogger("vllm.kvtier")
 
 class Flusher:
     """A thread that waits for each save's copy into the store, then writes
-    G2 to G3. One flush covers every save queued before it."""
+    the namespace's G2 to G3. One flush covers every save into that
+    namespace queued before it."""
 
-    def __init__(self, ns: Namespace) -> None:
-        self._ns = ns
-        self._queue: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Namespace, Transfer] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvtier-flush", daemon=True)
         self._thread.start()
 
-    def add(self, save: Transfer) -> None:
-        """Flushes once ``save`` is done."""
-        self._queue.put(save)
+    def add(self, ns: Namespace, save: Transfer) -> None:
+        """Flushes ``ns`` once ``save`` (a save into it) is done."""
+        self._queue.put((ns, save))
 
     def _run(self) -> None:
         stop = False
@@ -45,15 +45,18 @@ class Flusher:
             batch = [self._queue.get()]
             while not self._queue.empty():
                 batch.append(self._queue.get())
-            stop = any(t is None for t in batch)
-            # wait() releases the GIL, and may be called again by get_finished.
-            stored = sum(r.status == "stored" for t in batch if t is not None for r in t.wait() or [])
-            if not stored:
-                continue
-            try:
-                self._ns.flush()  # releases the GIL while it writes
-            except Exception as e:  # noqa: BLE001 - a failed flush leaves blocks in G2, logged
-                logger.warning("kvtier: flush to G3 failed: %s", e)
+            stop = any(item is None for item in batch)
+            # wait() releases the GIL, and may be called again by the worker.
+            stored = {
+                id(ns): ns
+                for ns, t in (item for item in batch if item is not None)
+                if any(r.status == "stored" for r in t.wait() or [])
+            }
+            for ns in stored.values():
+                try:
+                    ns.flush()  # releases the GIL while it writes
+                except Exception as e:  # noqa: BLE001 - a failed flush leaves blocks in G2, logged
+                    logger.warning("kvtier: flush of %s to G3 failed: %s", ns.name, e)
 
     def stop(self, timeout: float = 60) -> None:
         """Flushes every save queued so far, then ends the thread."""

@@ -1,16 +1,21 @@
-"""The lookup socket between the scheduler and rank 0's worker.
+"""The lookup sockets between the scheduler and the workers.
 
 vLLM runs the scheduler in another process than the workers, and only the
 workers open the store (a store directory has one owner), so the scheduler
-asks rank 0's worker how much of a prompt kvtier holds. A question is whole
-blocks of tokens and a key salt; the answer is how many leading blocks the
-store holds, in any tier. The scheduler looks up rank 0's shard only: a
-rank that lacks a block reports it as a load error, and vLLM recomputes it.
+asks the workers how much of a prompt kvtier holds. Every tensor-parallel
+rank answers for the KV heads it holds, so the answer covers the whole
+model: a block counts only if every rank holds all its heads. A question is
+whole blocks of tokens, a key salt and the first block the scheduler needs
+(vLLM's own cache holds those before it); the answer is, per KV cache group
+and block from there, whether the rank holds it in any tier (a sliding-window
+group needs only the blocks in its window, so a leading count is not
+enough; :func:`~kvtier.vllm.groups.hit_end` turns the answers into a hit).
 
-The socket is a Linux abstract socket (no file to clean up) named after the
-engine id the scheduler and the workers share, with an auth key from the
-same id. Every failure on either side counts as a miss: a lookup never
-stalls a request or serves anything, it only decides whether to restore.
+The sockets are Linux abstract sockets (no file to clean up) named after
+the engine id the scheduler and the workers share and the rank, with an
+auth key from the same id. Every failure on either side counts as a miss: a
+lookup never stalls a request or serves anything, it only decides whether
+to restore.
 
 This module needs no vLLM: it reads the config it is given by attribute."""
 
@@ -22,10 +27,12 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Client, Connection, Listener
 from typing import TYPE_CHECKING
 
 from ..store import Namespace
+from .groups import KvGroup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,36 +45,59 @@ logger = logging.getLogger("vllm.kvtier")
 CONNECT_TIMEOUT_S = 60.0
 
 
-def lookup_address(vllm_config: VllmConfig) -> tuple[str, bytes]:
-    """The lookup socket of one vLLM engine and its auth key, both from the
-    engine id the scheduler and the workers share."""
+def lookup_address(vllm_config: VllmConfig, rank: int = 0) -> tuple[str, bytes]:
+    """The lookup socket of one rank of one vLLM engine and its auth key,
+    both from the engine id the scheduler and the workers share."""
     ktc = vllm_config.kv_transfer_config
     engine = str(getattr(ktc, "engine_id", "") or "")
     digest = hashlib.sha256(f"kvtier.vllm.lookup:{engine}".encode()).hexdigest()
-    return f"\0kvtier-vllm-{digest[:24]}", digest.encode()
+    return f"\0kvtier-vllm-{digest[:24]}-{rank}", digest.encode()
 
 
-def encode_lookup(tokens: list[int], salt: bytes) -> bytes:
-    """A question: the salt's length (4 bytes, little-endian), the salt,
-    then the tokens as native unsigned 32-bit integers."""
-    return len(salt).to_bytes(4, "little") + salt + array.array("I", tokens).tobytes()
+def encode_lookup(tokens: list[int], salt: bytes, first: int = 0) -> bytes:
+    """A question: the first block asked about and the salt's length (4
+    bytes each, little-endian), the salt, then the tokens as native
+    unsigned 32-bit integers."""
+    head = first.to_bytes(4, "little") + len(salt).to_bytes(4, "little")
+    return head + salt + array.array("I", tokens).tobytes()
 
 
-def decode_lookup(msg: bytes) -> tuple[list[int], bytes]:
-    """The tokens and salt of :func:`encode_lookup`'s message."""
-    n = int.from_bytes(msg[:4], "little")
-    salt = msg[4 : 4 + n]
+def decode_lookup(msg: bytes) -> tuple[list[int], bytes, int]:
+    """The tokens, salt and first block of :func:`encode_lookup`'s message."""
+    first = int.from_bytes(msg[:4], "little")
+    n = int.from_bytes(msg[4:8], "little")
+    salt = msg[8 : 8 + n]
     tokens = array.array("I")
-    tokens.frombytes(msg[4 + n :])
-    return tokens.tolist(), salt
+    tokens.frombytes(msg[8 + n :])
+    return tokens.tolist(), salt, first
+
+
+def presence(group: KvGroup, spaces: Sequence[Namespace], tokens: list[int], salt: bytes, first: int) -> bytes:
+    """Per block of ``tokens`` from block ``first`` on, 1 if every
+    namespace in ``spaces`` (the heads of ``group`` a rank holds) holds it,
+    else 0. A full group needs every block from the start, so it stops at
+    the first miss; a sliding-window group is asked block by block."""
+    blocks = len(tokens) // group.block_size
+    flags = bytearray(b"\1" * max(0, blocks - first))
+    for ns in spaces:
+        keys = ns.token_keys(tokens, salt=salt)[first:]
+        if group.window_blocks is None:
+            held = ns.lookup(keys)
+            flags[held:] = bytes(len(flags) - held)
+            continue
+        for i, key in enumerate(keys):
+            if flags[i] and ns.lookup([key]) == 0:
+                flags[i] = 0
+    return bytes(flags)
 
 
 class LookupServer:
-    """Rank 0's worker side: answers lookups against ``ns`` on a thread per
+    """One rank's worker side: answers lookups against ``spaces`` (per KV
+    cache group, the namespaces of the heads the rank holds) on a thread per
     connection, until :meth:`close`."""
 
-    def __init__(self, address: str, authkey: bytes, ns: Namespace) -> None:
-        self._ns = ns
+    def __init__(self, address: str, authkey: bytes, spaces: Sequence[tuple[KvGroup, Sequence[Namespace]]]) -> None:
+        self._spaces = list(spaces)
         self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
         self._thread = threading.Thread(target=self._accept, name="kvtier-lookup", daemon=True)
         self._thread.start()
@@ -91,12 +121,12 @@ class LookupServer:
                 except (EOFError, OSError):
                     return
                 try:
-                    tokens, salt = decode_lookup(msg)
-                    hit = self._ns.lookup(self._ns.token_keys(tokens, salt=salt))
+                    tokens, salt, first = decode_lookup(msg)
+                    answer = b"".join(presence(g, spaces, tokens, salt, first) for g, spaces in self._spaces)
                 except Exception as e:  # noqa: BLE001 - a failed lookup is a miss, logged
                     logger.warning("kvtier: lookup failed (counted as a miss): %s", e)
-                    hit = 0
-                conn.send_bytes(hit.to_bytes(8, "little"))
+                    answer = b""
+                conn.send_bytes(answer)
 
     def close(self) -> None:
         """Stops accepting connections."""
@@ -124,21 +154,24 @@ class LookupClient:
                 with contextlib.suppress(OSError, EOFError):
                     self._conn = Client(self._address, family="AF_UNIX", authkey=self._key)
 
-    def lookup(self, tokens: list[int], salt: bytes) -> int:
-        """How many leading blocks of ``tokens`` (whole blocks) the store
-        holds; 0 on any error (one reconnection is tried first)."""
+    def lookup(self, tokens: list[int], salt: bytes, first: int = 0) -> bytes:
+        """The rank's answer for ``tokens`` (whole blocks) from block
+        ``first`` on: per KV cache group in order, one byte per block, 1
+        where the rank holds it (see :func:`presence`); empty on any error
+        (one reconnection is tried first), which the caller counts as a
+        miss."""
         with self._lock:
             for attempt in range(2):
                 try:
                     if self._conn is None:
                         self._conn = self._connect()
-                    self._conn.send_bytes(encode_lookup(tokens, salt))
-                    return int.from_bytes(self._conn.recv_bytes(), "little")
+                    self._conn.send_bytes(encode_lookup(tokens, salt, first))
+                    return self._conn.recv_bytes()
                 except (OSError, EOFError) as e:
                     self._conn = None
                     if attempt == 1:
                         logger.warning("kvtier: lookup failed (a miss): %s", e)
-            return 0
+            return b""
 
     def _connect(self) -> Connection:
         deadline = time.monotonic() + CONNECT_TIMEOUT_S

@@ -1,21 +1,25 @@
-"""The store and the namespace a worker of the connector opens.
+"""The store and the namespaces a worker of the connector opens.
 
 One store per cache directory and process: vLLM builds the scheduler and
 the worker side in one process on the CPU backend, and a store directory has
-one owner, so two stores must never share one. A namespace is one rank's
-block layout under the model's fingerprint: each tensor-parallel rank keeps
-its own shard (the layout carries rank and world)."""
+one owner, so two stores must never share one. A namespace is one KV head of
+one KV cache group (:mod:`.groups`): its layout is the group's layers with
+one head, and its fingerprint names the model, the group and the object
+scheme, so groups never mix and a head's objects are the same whichever
+rank wrote them."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..store import Layout, Namespace, Store
 from .config import ConnectorConfig
+from .groups import LATENT, KvGroup, RankHeads, kv_groups, rank_heads
 from .keys import served_model_fingerprint
 
 if TYPE_CHECKING:
@@ -28,27 +32,39 @@ _STORES: dict[str, Store] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def vllm_layout(vllm_config: VllmConfig, rank: int, codec: str = "none") -> Layout:
-    """The per-rank block layout vLLM's config implies (the workers check
-    it against the tensors they are given)."""
-    from vllm.utils.torch_utils import get_kv_cache_torch_dtype
-
-    mc = vllm_config.model_config
-    pc = vllm_config.parallel_config
-    torch_dtype = get_kv_cache_torch_dtype(vllm_config.cache_config.cache_dtype, mc.dtype)
-    dtype = KV_DTYPES.get(torch_dtype)
+def group_layout(group: KvGroup, heads: RankHeads, head: int, codec: str = "none") -> Layout:
+    """The layout of one object of ``group``: head ``head`` of
+    ``heads.total`` in every layer of the group (MLA: the latent rows)."""
+    dtype = KV_DTYPES.get(group.dtype)
     if dtype is None:
-        raise ValueError(f"kvtier: KV cache dtype {torch_dtype} is not supported (f32, f16, bf16)")
+        raise ValueError(f"kvtier: KV cache dtype {group.dtype} is not supported (f32, f16, bf16)")
+    layers = len(group.layer_names)
+    if group.kind == LATENT:
+        return Layout(layers, 1, group.head_size, group.block_size, dtype, arrangement="latent", codec=codec)
     return Layout.vllm_cpu(
-        mc.get_num_layers(pc),
-        mc.get_num_kv_heads(pc),
-        mc.get_head_size(),
-        block_tokens=vllm_config.cache_config.block_size,
+        layers,
+        1,
+        group.head_size,
+        block_tokens=group.block_size,
         dtype=dtype,
-        tp_rank=rank,
-        tp_world=pc.tensor_parallel_size,
+        tp_rank=head,
+        tp_world=heads.total,
         codec=codec,
     )
+
+
+def model_heads(vllm_config: VllmConfig, group: KvGroup, rank: int) -> RankHeads:
+    """The heads of ``group`` that ``rank`` holds, checked against what
+    vLLM gave the group per rank."""
+    world = int(vllm_config.parallel_config.tensor_parallel_size)
+    total = 1 if group.kind == LATENT else int(vllm_config.model_config.get_total_num_kv_heads())
+    heads = rank_heads(total, rank, world)
+    if len(heads.heads) != group.heads_per_rank:
+        raise ValueError(
+            f"kvtier: KV cache group {group.index} has {group.heads_per_rank} KV heads per rank; "
+            f"{total} heads over {world} ranks give {len(heads.heads)}"
+        )
+    return heads
 
 
 def store_for(config: ConnectorConfig) -> Store:
@@ -62,20 +78,43 @@ def store_for(config: ConnectorConfig) -> Store:
         return store
 
 
-def open_namespace(vllm_config: VllmConfig, config: ConnectorConfig, rank: int, warm: bool) -> Namespace:
-    """The namespace of ``rank`` under ``config``; ``warm``: fault in its
-    read buffers at open, unless ``warm_read_buffers`` is false."""
+def open_head_namespace(
+    vllm_config: VllmConfig, config: ConnectorConfig, group: KvGroup, heads: RankHeads, head: int, warm: bool
+) -> Namespace:
+    """The namespace of head ``head`` of ``group`` (this rank's copy of it
+    when several ranks hold it); ``warm``: fault in its read buffers at
+    open, unless ``warm_read_buffers`` is false."""
+    base = config.fingerprint or served_model_fingerprint(vllm_config)
+    scope: dict[str, Any] = {"group": group.descriptor()}
+    if heads.replica:
+        scope["replica"] = heads.replica
+    name = config.namespace
+    if name is not None:
+        name = f"{name}-g{group.index}-h{head}of{heads.total}" + (f"-r{heads.replica}" if heads.replica else "")
     return store_for(config).namespace(
-        vllm_layout(vllm_config, rank, config.kv_offload_codec),
-        fingerprint=config.fingerprint or served_model_fingerprint(vllm_config),
-        name=config.namespace,
+        group_layout(group, heads, head, config.kv_offload_codec),
+        fingerprint=base + "\0" + json.dumps(scope, sort_keys=True),
+        name=name,
         warm_read_buffers=warm and config.warm_read_buffers,
     )
 
 
-def connector_namespace(vllm_config: VllmConfig, rank: int = 0, warm: bool = False) -> Namespace:
-    """The store namespace :class:`~kvtier.vllm.KvtierConnector` uses for
-    ``rank`` (to inspect or prepare a cache from outside vLLM); ``warm``:
-    fault in its read buffers at open (``Store.namespace(warm_read_buffers=True)``),
-    as the worker does unless ``warm_read_buffers`` is false."""
-    return open_namespace(vllm_config, ConnectorConfig.from_vllm(vllm_config), rank, warm)
+def connector_namespaces(
+    vllm_config: VllmConfig, kv_cache_config: Any, rank: int = 0, warm: bool = False
+) -> dict[int, list[Namespace]]:
+    """The store namespaces :class:`~kvtier.vllm.KvtierConnector`'s worker
+    of ``rank`` uses, per KV cache group (by index), one per KV head the
+    rank holds in the order of its tensors' head axis (to inspect or prepare
+    a cache from outside vLLM); ``warm``: fault in the read buffers at open
+    (``Store.namespace(warm_read_buffers=True)``) in the first one, as the
+    worker does unless ``warm_read_buffers`` is false (G2 is shared, so
+    once is enough)."""
+    config = ConnectorConfig.from_vllm(vllm_config)
+    out: dict[int, list[Namespace]] = {}
+    for group in kv_groups(kv_cache_config):
+        heads = model_heads(vllm_config, group, rank)
+        out[group.index] = [
+            open_head_namespace(vllm_config, config, group, heads, h, warm and not out and i == 0)
+            for i, h in enumerate(heads.heads)
+        ]
+    return out
