@@ -3,17 +3,22 @@ their tokenizer trained by ``tokenizers`` on generated text: no download.
 Shared by the vLLM end-to-end checks (python/vllm_tests) and the engine's
 reference checks against transformers (python/engine_tests).
 
-    python make_model.py DIR [--size tiny|100m|mini] [--seed N]
-                             [--arch llama|qwen2|qwen3|phi3] [--chat STYLE]
+    python make_model.py DIR [--size tiny|small|100m|mini] [--seed N]
+                             [--arch llama|qwen2|qwen3|phi3|gemma2|deepseek_v2]
+                             [--chat STYLE]
 
 The default (``make(dir, size, seed)``: ``--arch llama``, no ``--chat``) is
 the vLLM checks' model: a random Llama with a byte-level BPE tokenizer that
 adds no special tokens and has no chat template. ``tiny`` (4 layers, hidden
 256, head_dim 64, 2 KV heads; starts fast) is the end-to-end tests' size;
-``100m`` (12 layers, hidden 768, head_dim 64, about 100 M parameters) is
-scripts/bench-vllm's; ``mini`` (2 layers, hidden 128, head_dim 32) the
-engine checks'. head_dim 32 or 64: vLLM's CPU attention takes 32, 64, 80,
-96, 112, 128, ...
+``small`` (4 layers, hidden 512, 8 heads, head_dim 64, 2 KV heads; 15.5 M
+parameters as ``gemma2``, 15.8 M as ``llama``, 19.6 M as ``deepseek_v2``)
+is the size for the hybrid and MLA end-to-end tests; ``100m`` (12 layers,
+hidden 768, head_dim 64; named for 100 M parameters, 76 M as ``llama`` or
+``gemma2`` and 94 M as ``deepseek_v2`` with the 595 tokens the plain
+tokenizer learns) is scripts/bench-vllm's; ``mini`` (2 layers, hidden 128,
+head_dim 32) the engine checks'. head_dim 32 or 64: vLLM's CPU attention
+takes 32, 64, 80, 96, 112, 128, ...
 
 Architectures (the model classes of transformers, their config.json as
 ``save_pretrained`` writes it):
@@ -25,6 +30,31 @@ Architectures (the model classes of transformers, their config.json as
   twice hidden/heads; tied input and output embeddings, as the small Qwen3
   checkpoints), rope theta 1e6.
 - ``phi3``: ``Phi3ForCausalLM`` (fused ``qkv_proj`` and ``gate_up_proj``).
+- ``gemma2``: ``Gemma2ForCausalLM``, a hybrid model: ``layer_types``
+  alternate ``sliding_attention`` and ``full_attention`` (from layer 0), a
+  sliding window of :data:`SLIDING_WINDOW` (64) tokens, so prompts of a
+  few hundred tokens outrun it (vLLM's hybrid KV cache manager then keeps
+  two KV cache groups); head_dim 64 whatever the size,
+  ``query_pre_attn_scalar`` 64, tied embeddings, Gemma 2's logit
+  soft-capping. With ``num_key_value_heads`` 2 (``tiny``, ``small``,
+  ``mini``) tensor parallel 2 splits the KV heads.
+- ``deepseek_v2``: ``DeepseekV2ForCausalLM``, an MLA model: ``kv_lora_rank``
+  512, ``qk_rope_head_dim`` 64 (a KV cache row of 576 values, the only head
+  size vLLM's CPU MLA backend takes), ``q_lora_rank`` None,
+  ``qk_nope_head_dim`` and ``v_head_dim`` 64, whatever the size;
+  ``first_k_dense_replace`` = the layer count, so every layer has a dense
+  MLP (no MoE). ``num_key_value_heads`` is set to the head count (MLA has
+  one latent per token, shared by all heads).
+
+``llama``, ``gemma2`` and ``deepseek_v2`` take the plain tokenizer
+(``chat=None``: test models, not chat models; ``bos_token_id`` 1,
+``eos_token_id`` 2, and ``pad_token_id`` 0 for ``gemma2`` and
+``deepseek_v2``); every arch takes a chat style. Gemma's weights are drawn differently (always, not only with
+``random_vectors``): Gemma scales the embeddings by sqrt(hidden) and its
+norms multiply by ``1 + w``, so the embeddings get std 0.01 (0.08 gives a
+model that repeats one token), the norms ``w`` around 0 (std 0.1) and the
+final norm's ``w`` around 2 (scale about 3, as ``random_vectors`` does
+for the others).
 
 Chat styles (``chat=``): the tokenizer's special tokens, whether it adds a
 BOS to text, its pre-tokenizer and its chat template, after the real
@@ -80,6 +110,14 @@ SIZES = {
         num_key_value_heads=2,
         vocab_size=2048,
     ),
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=2048,
+    ),
     "100m": dict(
         hidden_size=768,
         intermediate_size=2048,
@@ -98,7 +136,13 @@ SIZES = {
     ),
 }
 
-ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "deepseek_v2")
+
+#: The archs that take the plain tokenizer (``chat=None``).
+PLAIN_ARCHS = ("llama", "gemma2", "deepseek_v2")
+
+#: ``gemma2``'s sliding window, in tokens.
+SLIDING_WINDOW = 64
 
 #: Meta Llama 3 Instruct's template (``| trim`` binds to the content).
 LLAMA3_TEMPLATE = (
@@ -371,7 +415,45 @@ def _config(
             original_max_position_embeddings=max_position_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **rope},
         )
+    if arch in ("gemma2", "deepseek_v2"):
+        return _new_arch_config(arch, common, rope)
     raise ValueError(f"unknown arch {arch!r} (one of {ARCHS})")
+
+
+def _new_arch_config(arch: str, common: dict[str, Any], rope: dict[str, Any]) -> Any:
+    """The config of a ``gemma2`` or ``deepseek_v2`` model; ``common``: the
+    size's dims (vocab_size the tokenizer's), max_position_embeddings, the
+    token ids and the dtype."""
+    from transformers import DeepseekV2Config, Gemma2Config
+
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, **rope}
+    layers = common["num_hidden_layers"]
+    if arch == "gemma2":
+        return Gemma2Config(
+            **common,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+            rope_parameters=rope_parameters,
+        )
+    if arch == "deepseek_v2":
+        return DeepseekV2Config(
+            **{**common, "num_key_value_heads": common["num_attention_heads"]},
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            first_k_dense_replace=layers,
+            # Unused (no MoE layer): small, should a reader build them.
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=common["intermediate_size"] // 4,
+            rope_parameters=rope_parameters,
+        )
+    raise ValueError(f"not a new arch: {arch!r}")
 
 
 def _legacy_rope_config(dir: Path) -> None:
@@ -407,6 +489,8 @@ def make(
     import torch
     from transformers import (
         AutoConfig,
+        DeepseekV2ForCausalLM,
+        Gemma2ForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         Phi3ForCausalLM,
@@ -416,14 +500,14 @@ def make(
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (one of {ARCHS})")
-    if chat is None and (arch != "llama" or rope_scaling):
-        raise ValueError("the plain tokenizer (chat=None) is the vLLM checks' Llama; pick a chat style")
+    if chat is None and (arch not in PLAIN_ARCHS or rope_scaling):
+        raise ValueError(f"the plain tokenizer (chat=None) is for {PLAIN_ARCHS}, no rope_scaling; pick a chat style")
     dims = SIZES[size]
     dir.mkdir(parents=True, exist_ok=True)
     tok = _train_tokenizer(chat, dims["vocab_size"])
     _save_tokenizer(dir, tok, chat)
     torch.manual_seed(seed)
-    if chat is None:
+    if chat is None and arch == "llama":
         config = LlamaConfig(
             **{**dims, "vocab_size": tok.get_vocab_size()},
             max_position_embeddings=max_position_embeddings,
@@ -431,11 +515,26 @@ def make(
             eos_token_id=2,
             torch_dtype="float32",  # type: ignore[call-arg]  # as before (older transformers)
         )
+    elif chat is None:
+        common: dict[str, Any] = dict(
+            **{**dims, "vocab_size": tok.get_vocab_size()},
+            max_position_embeddings=max_position_embeddings,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            dtype="float32",
+        )
+        config = _new_arch_config(arch, common, {})
     else:
         config = _config(arch, dims, tok, chat, max_position_embeddings, rope_scaling or {})
-    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "phi3": Phi3ForCausalLM}[
-        arch
-    ]
+    cls = {
+        "llama": LlamaForCausalLM,
+        "qwen2": Qwen2ForCausalLM,
+        "qwen3": Qwen3ForCausalLM,
+        "phi3": Phi3ForCausalLM,
+        "gemma2": Gemma2ForCausalLM,
+        "deepseek_v2": DeepseekV2ForCausalLM,
+    }[arch]
     model = cls(config)
     # Larger weights than the default init: a random model whose logits are
     # not all near-equal, so greedy outputs differ when the KV differs.
@@ -443,7 +542,17 @@ def make(
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
-        if random_vectors:
+        if arch == "gemma2":
+            # Gemma scales the embeddings by sqrt(hidden) and its norms
+            # multiply by 1 + w (module docstring).
+            for name, p in model.named_parameters():
+                if name == "model.embed_tokens.weight":
+                    p.normal_(0.0, 0.01)
+                elif name == "model.norm.weight":
+                    p.normal_(2.0, 0.3)
+                elif p.dim() == 1 and "norm" in name:
+                    p.normal_(0.0, 0.1)
+        elif random_vectors:
             for name, p in model.named_parameters():
                 if name == "model.norm.weight":
                     # Logits three times as spread: greedy near-ties rarer.
@@ -461,6 +570,8 @@ def make(
     meta: dict[str, Any] = {"size": size, "seed": seed}
     if chat is not None:
         meta.update(arch=arch, chat=chat)
+    elif arch != "llama":
+        meta.update(arch=arch)
     (dir / "kvtier-model.json").write_text(json.dumps(meta))
 
 
@@ -474,7 +585,7 @@ def main() -> None:
         "--chat",
         choices=sorted(CHAT_STYLES),
         default=None,
-        help="tokenizer and chat template style (default: the plain tokenizer, llama only)",
+        help=f"tokenizer and chat template style (default: the plain tokenizer, {', '.join(PLAIN_ARCHS)} only)",
     )
     a = ap.parse_args()
     make(a.dir, a.size, a.seed, arch=a.arch, chat=a.chat, random_vectors=a.chat is not None)

@@ -31,6 +31,16 @@ says how many prompt tokens came from the connector
 (``local_hit_tokens``). Energy is modelled as in kvtier-energy (40 W idle +
 10 W per busy core, from /proc/stat over each batch): an assumption,
 labelled so.
+
+``--model-kind`` picks the model (make_model.py, at ``--size``): ``llama``
+(the default, today's model), ``hybrid`` (Gemma-2: sliding-window and
+full-attention layers alternating, a 64-token window; servers with
+kvtier's connector run vLLM's hybrid KV cache manager, which vLLM turns
+off for ExampleConnector) or ``mla`` (DeepSeek-V2 with ``kv_lora_rank``
+512: vLLM turns its own prefix cache off for MLA on the CPU, so the
+``local_hit_tokens`` are 0 and ``local`` is recompute). ``--tp N`` runs
+every server at tensor-parallel degree N. Both are in the JSON's
+``workload`` and the table's header, with notes on what they change.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testing"))
 
-from make_model import SIZES, make, text
+from make_model import SIZES, SLIDING_WINDOW, make, text
 from vllm_server import Reply, VllmServer, example_transfer_config, kvtier_transfer_config
 
 #: The kvtier modes: connector settings of each (``--kvtier-config`` is
@@ -61,6 +71,9 @@ KVTIER_MODES: dict[str, dict[str, Any]] = {
     "kvtier-sync": {"load_async": False, "layerwise_load": False},
     "kvtier-layerwise": {"load_async": False},
 }
+
+#: ``--model-kind``: make_model's arch of each.
+MODEL_KINDS = {"llama": "llama", "hybrid": "gemma2", "mla": "deepseek_v2"}
 
 IDLE_WATTS = 40.0
 WATTS_PER_BUSY_CORE = 10.0
@@ -150,6 +163,57 @@ def run_batch(
     return res, [r.text for r in replies]
 
 
+def kv_bytes_per_token(kind: str, size: str) -> int:
+    """The f32 KV bytes a prompt token takes in vLLM's cache (one copy, all
+    layers): ``llama`` K and V of every layer; ``hybrid`` the
+    full-attention layers only (the sliding ones keep one window per
+    request with the hybrid manager, whatever the prompt: restored GB is
+    then a lower bound);
+    ``mla`` one latent row of 576 values per layer."""
+    dims = SIZES[size]
+    layers = dims["num_hidden_layers"]
+    if kind == "mla":
+        return layers * (512 + 64) * 4
+    if kind == "hybrid":
+        # make_model's gemma2: head_dim 64, layers sliding, full, sliding, ...
+        return (layers // 2) * 2 * dims["num_key_value_heads"] * 64 * 4
+    head = dims["hidden_size"] // dims["num_attention_heads"]
+    return layers * 2 * dims["num_key_value_heads"] * head * 4
+
+
+def kind_notes(kind: str, tp: int, modes: list[str]) -> tuple[dict[str, str], list[str]]:
+    """What ``--model-kind`` and ``--tp`` change: vLLM's hybrid KV cache
+    manager in each mode (hybrid only) and notes for the report."""
+    hybrid: dict[str, str] = {}
+    notes: list[str] = []
+    if kind == "hybrid":
+        for m in modes:
+            if m in KVTIER_MODES:
+                hybrid[m] = "on (--no-disable-hybrid-kv-cache-manager)"
+            elif m == "example":
+                hybrid[m] = "off (vLLM turns it off: ExampleConnector does not support it)"
+            else:
+                hybrid[m] = "on (vLLM's default, no connector)"
+        notes.append(
+            f"hybrid: Gemma-2, sliding window {SLIDING_WINDOW} tokens on every other layer; "
+            "kv_bytes_per_token counts the full-attention layers only (a lower bound of restored GB; "
+            "ExampleConnector, without the hybrid manager, restores every layer: twice that)"
+        )
+    if kind == "mla":
+        notes.append(
+            "mla: vLLM turns its own prefix cache (and chunked prefill) off for MLA on the CPU: "
+            "local_hit_tokens are 0 by construction and the local mode is recompute"
+        )
+    if tp > 1:
+        notes.append(f"tp {tp}: one CPU per rank (VLLM_CPU_OMP_THREADS_BIND)")
+        if "example" in modes and kind != "mla":
+            notes.append(
+                "ExampleConnector names its files by layer, not by rank: at tp > 1 the ranks' "
+                "halves of a layer overwrite each other, so its restores may differ"
+            )
+    return hybrid, notes
+
+
 def drop_caches() -> bool:
     """Drops the page cache (root only); whether it could."""
     try:
@@ -226,6 +290,19 @@ def main() -> int:
     )
     ap.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     ap.add_argument("--size", choices=sorted(SIZES), default="100m", help="model size (make_model.py)")
+    ap.add_argument(
+        "--model-kind",
+        choices=sorted(MODEL_KINDS),
+        default="llama",
+        help="llama: today's model (100m: 12 layers, hidden 768, about 76 M parameters); "
+        "hybrid: Gemma-2, sliding-window (64 tokens) and full-attention layers alternating, "
+        "the same dims (100m: about 76 M), vLLM's hybrid KV cache manager on with kvtier's connector "
+        "(vLLM turns it off for ExampleConnector); "
+        "mla: DeepSeek-V2 MLA, kv_lora_rank 512 + rope 64 (vLLM's CPU MLA takes no other), "
+        "the same layers, hidden and MLP (100m: about 94 M), vLLM's own prefix cache off on the CPU "
+        "(default: llama)",
+    )
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of every server (default: 1)")
     ap.add_argument("--concurrency", default="1,8,16", help="comma-separated concurrencies")
     ap.add_argument("--sessions", type=int, default=16, help="sessions per concurrency")
     ap.add_argument(
@@ -258,17 +335,24 @@ def main() -> int:
     a = ap.parse_args()
     if a.repeat < 1:
         ap.error("--repeat must be at least 1")
+    if a.tp < 1:
+        ap.error("--tp must be at least 1")
 
     work = a.work_dir or Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = work / f"model-{a.size}"
+    # The kind (and for the caches the degree) in every name: a reused
+    # --work-dir never mixes models or layouts.
+    tag = f"{a.model_kind}-{a.size}"
+    model = work / f"model-{tag}"
     if not (model / "config.json").exists():
-        make(model, a.size, seed=0)
-    dims = SIZES[a.size]
-    head = dims["hidden_size"] // dims["num_attention_heads"]
-    bytes_per_token = dims["num_hidden_layers"] * 2 * dims["num_key_value_heads"] * head * 4
+        if a.model_kind == "llama":
+            make(model, a.size, seed=0)
+        else:
+            make(model, a.size, seed=0, arch=MODEL_KINDS[a.model_kind])
+    bytes_per_token = kv_bytes_per_token(a.model_kind, a.size)
     levels = [int(c) for c in a.concurrency.split(",")]
     modes = a.modes.split(",")
+    hybrid_manager, notes = kind_notes(a.model_kind, a.tp, modes)
     sets = {c: sessions(i * a.sessions, a.sessions, a.shared_words, a.history_words, a.question_words)
             for i, c in enumerate(levels)}  # fmt: skip
     all_prompts = [p for c in levels for p in sets[c]]
@@ -288,11 +372,11 @@ def main() -> int:
         if mode in ("recompute", "local"):
             cfg = None
         elif mode == "example":
-            cfg = example_transfer_config(str(work / "example-cache"))
+            cfg = example_transfer_config(str(work / f"example-cache-{tag}-tp{a.tp}"))
         elif mode in KVTIER_MODES:
             cfg = kvtier_transfer_config(
                 {
-                    "cache_dir": str(work / "kvtier-cache"),
+                    "cache_dir": str(work / f"kvtier-cache-{tag}-tp{a.tp}"),
                     "g3_bytes": 16 << 30,
                     **KVTIER_MODES[mode],
                     **json.loads(a.kvtier_config),
@@ -309,6 +393,13 @@ def main() -> int:
         args = ["--no-enable-prefix-caching"] if mode == "example" and not a.example_prefix_caching else []
         return cfg, args
 
+    def server(mode: str, log_name: str, cfg: str | None, args: list[str]) -> VllmServer:
+        """A mode's vLLM at ``--tp``; with kvtier's connector on the hybrid
+        model, vLLM's hybrid KV cache manager on (vLLM decides otherwise)."""
+        hybrid = True if a.model_kind == "hybrid" and mode in KVTIER_MODES else None
+        return VllmServer(str(model), logs / log_name, cfg, kv_space_gb=kv_space, extra_args=args, tp=a.tp,
+                          hybrid=hybrid)  # fmt: skip
+
     # Fill each connector's store once, every level's sessions, in a vLLM
     # process of its own.
     filled: set[str] = set()
@@ -323,7 +414,7 @@ def main() -> int:
         # --shutdown-timeout): kvtier's connector then waits for the last
         # request's save, which a kill could lose (recomputed, not restored).
         stop = ["--shutdown-timeout", "60"] if kind == "kvtier" else []
-        with VllmServer(str(model), logs / f"{kind}-fill.log", cfg, kv_space_gb=kv_space, extra_args=args + stop) as s:
+        with server(mode, f"{kind}-fill.log", cfg, args + stop) as s:
             # One at a time: ExampleConnector saves a prompt whose
             # prefill was split across steps as its first chunk only,
             # and then crashes vLLM loading it ("shape mismatch: value
@@ -340,7 +431,7 @@ def main() -> int:
                 dropped = drop_caches() and dropped
                 log(f"{mode} c={c} run {run + 1}/{a.repeat}: measuring after a restart")
                 name = f"{mode}-c{c}-run{run}.log"
-                with VllmServer(str(model), logs / name, cfg, kv_space_gb=kv_space, extra_args=args) as s:
+                with server(mode, name, cfg, args) as s:
                     s.complete(text(99, 100), max_tokens=1)  # the first request's one-off delay
                     if mode == "local":
                         # The floor: the level's sessions already in vLLM's
@@ -366,7 +457,9 @@ def main() -> int:
         "page_cache_dropped": dropped,
         "energy": f"modelled: {IDLE_WATTS:.0f} W idle + {WATTS_PER_BUSY_CORE:.0f} W per busy core",
         "workload": {
-            "model": a.size, "sessions_per_concurrency": a.sessions, "repeat": a.repeat,
+            "model": a.size, "model_kind": a.model_kind, "arch": MODEL_KINDS[a.model_kind], "tp": a.tp,
+            "hybrid_kv_cache_manager": hybrid_manager, "notes": notes,
+            "sessions_per_concurrency": a.sessions, "repeat": a.repeat,
             "prompt_tokens_about": a.shared_words + a.history_words + a.question_words,
             "max_tokens": a.max_tokens, "kv_bytes_per_token": bytes_per_token,
             "every_row_after_a_restart": True,
@@ -374,9 +467,13 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
-    lines = ["| mode | conc | run | TTFT p50 s | TTFT p99 s | out tok/s | ext hit tokens | local hit tokens "
-             "| restore GB/s | J/token |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [f"model {a.size}, kind {a.model_kind} ({MODEL_KINDS[a.model_kind]}), tp {a.tp}"]
+    lines += [f"hybrid KV cache manager, {m}: {v}" for m, v in hybrid_manager.items()]
+    lines += [f"note: {n}" for n in notes]
+    lines += ["",
+              "| mode | conc | run | TTFT p50 s | TTFT p99 s | out tok/s | ext hit tokens | local hit tokens "
+              "| restore GB/s | J/token |",
+              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     lines += [
         f"| {r.mode} | {r.concurrency} | {r.run} | {r.ttft_p50_s:.3f} | {r.ttft_p99_s:.3f} | "
         f"{r.throughput_tok_s:.1f} | {r.external_hit_tokens} | {r.local_hit_tokens} | "

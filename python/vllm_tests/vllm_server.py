@@ -60,15 +60,30 @@ def vllm_command(
     kv_space_gb: int = 1,
     max_model_len: int = 4096,
     extra_args: list[str] | None = None,
+    *,
+    tp: int = 1,
+    hybrid: bool | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a vLLM OpenAI server (CPU
     backend) on 127.0.0.1:``port``; ``transfer_config`` (a
-    ``--kv-transfer-config`` JSON) adds a connector."""
+    ``--kv-transfer-config`` JSON) adds a connector.
+
+    ``tp`` > 1: ``--tensor-parallel-size tp``, each rank's OpenMP threads
+    bound to one CPU of its own (``0|1|...``, modulo the CPU count):
+    ``auto`` refuses more ranks than NUMA nodes ("Not enough allowed NUMA
+    nodes to bind threads of 2 local CPUWorkers"). ``hybrid``: True or
+    False asks for vLLM's hybrid KV cache manager or turns it off
+    (``--[no-]disable-hybrid-kv-cache-manager``); None leaves vLLM to
+    decide (on for a hybrid model, unless the connector does not support
+    it)."""
+    if tp < 1:
+        raise ValueError(f"tp must be at least 1, not {tp}")
+    cpus = os.cpu_count() or 1
     env = dict(os.environ)
     env.update(
         VLLM_TARGET_DEVICE="cpu",
         VLLM_CPU_KVCACHE_SPACE=str(kv_space_gb),
-        VLLM_CPU_OMP_THREADS_BIND="auto",
+        VLLM_CPU_OMP_THREADS_BIND="auto" if tp == 1 else "|".join(str(i % cpus) for i in range(tp)),
         VLLM_LOGGING_LEVEL="INFO",
     )
     cmd = [
@@ -78,8 +93,12 @@ def vllm_command(
         "--enable-prefix-caching", "-O0",
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+    if tp > 1:
+        cmd += ["--tensor-parallel-size", str(tp)]
+    if hybrid is not None:
+        cmd.append("--no-disable-hybrid-kv-cache-manager" if hybrid else "--disable-hybrid-kv-cache-manager")
     if transfer_config is not None:
-        cmd += ["--disable-hybrid-kv-cache-manager", "--kv-transfer-config", transfer_config]
+        cmd += ["--kv-transfer-config", transfer_config]
     cmd += extra_args or []
     return cmd, env
 
@@ -100,7 +119,7 @@ class VllmServer:
     """One ``python -m vllm.entrypoints.openai.api_server`` process.
 
     ``transfer_config`` (a ``--kv-transfer-config`` JSON) adds a connector;
-    ``None`` is vLLM alone."""
+    ``None`` is vLLM alone. ``tp`` and ``hybrid``: see :func:`vllm_command`."""
 
     def __init__(
         self,
@@ -110,11 +129,16 @@ class VllmServer:
         kv_space_gb: int = 1,
         max_model_len: int = 4096,
         extra_args: list[str] | None = None,
+        *,
+        tp: int = 1,
+        hybrid: bool | None = None,
     ) -> None:
         self.model = model
         self.port = free_port()
         self.log = log
-        cmd, env = vllm_command(model, self.port, transfer_config, kv_space_gb, max_model_len, extra_args)
+        cmd, env = vllm_command(
+            model, self.port, transfer_config, kv_space_gb, max_model_len, extra_args, tp=tp, hybrid=hybrid
+        )
         self._out = open(log, "ab")  # noqa: SIM115 - open while the server runs, closed by stop()
         # A session of its own: stop() and kill9() reach the engine core
         # and worker processes vLLM starts.
