@@ -15,7 +15,6 @@ scripts/bench-vllm's job.
 
 from __future__ import annotations
 
-import gc
 import os
 import re
 import socket
@@ -25,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stored_kv import corrupt, llama_kv
 
-from kvtier import Layout, Store
-from kvtier.vllm import model_fingerprint
 from make_model import make, text
 from vllm_server import RedisServer, Reply, VllmServer, kvtier_transfer_config
 
@@ -98,25 +96,14 @@ def _log_lines(log: Path, needle: str) -> list[str]:
 
 
 def _corrupt(cache_dir: Path, model: str, tokens: list[int], block: int, log: Path) -> tuple[str, int]:
-    """Flips one payload byte of ``block`` of ``tokens`` in the G3 of
-    ``cache_dir`` (no vLLM running on it; ``log`` is its last server's).
-    Returns (file, slot offset)."""
-    store = Store(str(cache_dir))
-    ns = store.namespace(Layout.vllm_cpu(4, 2, 64), fingerprint=model_fingerprint(model))
-    key = ns.token_keys(tokens)[block]
-    where = ns.locate(key)
-    if where is None:
+    """Flips one payload byte of ``block`` of ``tokens`` (KV head 0) in the
+    G3 of ``cache_dir`` (no vLLM running on it; ``log`` is its last
+    server's). Returns (file, slot offset)."""
+    try:
+        return corrupt(cache_dir, model, llama_kv(), tokens, block)
+    except AssertionError as e:
         said = "\n".join(_log_lines(log, "kvtier") + _log_lines(log, "[shutdown]"))
-        raise AssertionError(f"block to corrupt is not on disk; the server said:\n{said}")
-    path, offset = where
-    del ns, store
-    gc.collect()
-    with open(path, "r+b") as f:
-        f.seek(offset + 128 + 4000)
-        b = f.read(1)
-        f.seek(offset + 128 + 4000)
-        f.write(bytes([b[0] ^ 0xFF]))
-    return path, offset
+        raise AssertionError(f"{e}; the server said:\n{said}") from None
 
 
 @pytest.fixture(scope="module")

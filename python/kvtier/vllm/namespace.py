@@ -79,11 +79,18 @@ def store_for(config: ConnectorConfig) -> Store:
 
 
 def open_head_namespace(
-    vllm_config: VllmConfig, config: ConnectorConfig, group: KvGroup, heads: RankHeads, head: int, warm: bool
+    vllm_config: VllmConfig,
+    config: ConnectorConfig,
+    group: KvGroup,
+    heads: RankHeads,
+    head: int,
+    warm: bool,
+    store: Store | None = None,
 ) -> Namespace:
     """The namespace of head ``head`` of ``group`` (this rank's copy of it
-    when several ranks hold it); ``warm``: fault in its read buffers at
-    open, unless ``warm_read_buffers`` is false."""
+    when several ranks hold it) in ``store`` (default: this process's store
+    of the cache directory); ``warm``: fault in its read buffers at open,
+    unless ``warm_read_buffers`` is false."""
     base = config.fingerprint or served_model_fingerprint(vllm_config)
     scope: dict[str, Any] = {"group": group.descriptor()}
     if heads.replica:
@@ -91,7 +98,7 @@ def open_head_namespace(
     name = config.namespace
     if name is not None:
         name = f"{name}-g{group.index}-h{head}of{heads.total}" + (f"-r{heads.replica}" if heads.replica else "")
-    return store_for(config).namespace(
+    return (store or store_for(config)).namespace(
         group_layout(group, heads, head, config.kv_offload_codec),
         fingerprint=base + "\0" + json.dumps(scope, sort_keys=True),
         name=name,
@@ -100,7 +107,7 @@ def open_head_namespace(
 
 
 def connector_namespaces(
-    vllm_config: VllmConfig, kv_cache_config: Any, rank: int = 0, warm: bool = False
+    vllm_config: VllmConfig, kv_cache_config: Any, rank: int = 0, warm: bool = False, store: Store | None = None
 ) -> dict[int, list[Namespace]]:
     """The store namespaces :class:`~kvtier.vllm.KvtierConnector`'s worker
     of ``rank`` uses, per KV cache group (by index), one per KV head the
@@ -108,13 +115,15 @@ def connector_namespaces(
     a cache from outside vLLM); ``warm``: fault in the read buffers at open
     (``Store.namespace(warm_read_buffers=True)``) in the first one, as the
     worker does unless ``warm_read_buffers`` is false (G2 is shared, so
-    once is enough)."""
+    once is enough). ``store``: open them there (a store of
+    ``cache_dir`` the caller closes, so a vLLM can open the directory after
+    it) instead of in this process's own store of the directory."""
     config = ConnectorConfig.from_vllm(vllm_config)
     out: dict[int, list[Namespace]] = {}
     for group in kv_groups(kv_cache_config):
         heads = model_heads(vllm_config, group, rank)
         out[group.index] = [
-            open_head_namespace(vllm_config, config, group, heads, h, warm and not out and i == 0)
+            open_head_namespace(vllm_config, config, group, heads, h, warm and not out and i == 0, store)
             for i, h in enumerate(heads.heads)
         ]
     return out
