@@ -274,8 +274,8 @@ def test_config_refuses_an_unknown_key(tmp_path: Path) -> None:
 
 def test_lookup_messages_round_trip() -> None:
     tokens = [0, 1, 2**32 - 1, 151_643]
-    assert decode_lookup(encode_lookup(tokens, b"")) == (tokens, b"", 0)
-    assert decode_lookup(encode_lookup(tokens, b"salt\x00\xff", 7)) == (tokens, b"salt\x00\xff", 7)
+    assert decode_lookup(encode_lookup(tokens, b"")) == (tokens, b"")
+    assert decode_lookup(encode_lookup(tokens, b"salt\x00\xff")) == (tokens, b"salt\x00\xff")
     a, key_a = lookup_address(_vllm_config(Path("/nonexistent")))
     b, key_b = lookup_address(_vllm_config(Path("/nonexistent")))
     assert a.startswith("\0")
@@ -296,7 +296,6 @@ def test_lookup_server_answers_per_group_and_outlives_a_client_with_a_wrong_key(
         client = LookupClient(address, key)
         salt = b'["s", ""]'
         assert client.lookup(tokens, salt) == b"\1\1\1\0\0" * 2
-        assert client.lookup(tokens, salt, first=2) == b"\1\0\0" * 2
         assert client.lookup(tokens, b"other") == b"\0" * 10
     finally:
         engine.shutdown()
@@ -447,6 +446,13 @@ def test_saves_follow_the_steps_and_the_fence_waits_for_them(tmp_path: Path) -> 
         # again from 0 saves its blocks again.
         assert engine.step(cached=[("chunked", len(tokens), 1)]).saves == []
         assert [j.blocks for j in engine.step(cached=[("chunked", 0, BLOCK)]).saves] == [[[(0, 1)]]]
+
+        # Blocks vLLM's own cache holds but kvtier does not are saved too.
+        local = _Request("local", list(range(5000, 5000 + 3 * BLOCK + 1)))
+        assert engine.scheduler.get_num_new_matched_tokens(local, 2 * BLOCK) == (0, False)
+        engine.tables["local"] = ([6, 7, 8, 9],)
+        saves = engine.step(new=[("local", 2 * BLOCK, BLOCK + 1)]).saves
+        assert [j.blocks for j in saves] == [[[(0, 6), (1, 7), (2, 8)]]]
     finally:
         engine.shutdown()
 

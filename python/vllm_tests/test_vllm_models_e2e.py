@@ -45,6 +45,10 @@ class Seen:
     out: dict[str, str] = field(default_factory=dict)
     ext: dict[str, float] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
+    #: Objects the shared G4 held once every prompt was saved, and how many
+    #: the prompts make.
+    g4_keys: int = 0
+    g4_expected: int = 0
 
 
 def _ask(seen: Seen, server: VllmServer, name: str, prompt: str) -> str:
@@ -68,20 +72,26 @@ def _kvtier(cache: Path, **extra: Any) -> str:
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -> Seen:
     """Gemma 2 with the hybrid manager on: a reference at TP=1 without a
-    connector, then kvtier servers at TP=2 and TP=1 in turn on one cache
-    directory (x), and two more on their own directories sharing x's G4."""
+    connector, then kvtier servers at TP=2, TP=1 and TP=2 again on one cache
+    directory (x), and one at TP=1 on a directory of its own (z), all
+    sharing one G4."""
     root = tmp_path_factory.mktemp("vllm-hybrid")
     model = str(root / "gemma2")
     make(Path(model), "small", seed=0, arch="gemma2")
     logs = root / "logs"
     logs.mkdir()
-    x, z, w = root / "cache-x", root / "cache-z", root / "cache-w"
+    x, z = root / "cache-x", root / "cache-z"
     seen = Seen()
     t0 = time.monotonic()
     with VllmServer(model, logs / "ref.log", max_model_len=2048) as ref:
         for k, p in PROMPTS.items():
             _ask(seen, ref, f"ref {k}", p)
-        tokens_d = ref.tokenize(PROMPTS["D"])
+        tokens = {k: ref.tokenize(p) for k, p in PROMPTS.items()}
+
+    def objects(keys: str) -> int:
+        # Each prompt's whole blocks, in both groups, for each of 2 KV heads.
+        return sum(len(tokens[k]) // 128 * 2 * 2 for k in keys)
+
     with RedisServer() as redis:
         # TP=2 computes A, C and D and saves them (G3 in x, and G4).
         with VllmServer(
@@ -89,28 +99,33 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory, record: dict[str, Any]) -> 
         ) as t1:
             for k in "ACD":
                 _ask(seen, t1, f"tp2 {k} fresh", PROMPTS[k])
+            # G4 writes run behind the replies: wait for them before the stop.
+            redis.wait_keys(objects("ACD"))
         # D's full-attention group, KV head 1, block 1: flipped on disk;
         # TP=1 reads head 1 from x (G3 before G4).
-        corrupt(x, model, gemma2_kv(), tokens_d, block=1, group=1, head=1)
+        corrupt(x, model, gemma2_kv(), tokens["D"], block=1, group=1, head=1)
         # TP=1 on the same directory: restores A (TP=2 -> TP=1), recomputes
         # D, and computes and saves B.
         with VllmServer(model, logs / "t2.log", _kvtier(x, remote=redis.url), max_model_len=2048, hybrid=True) as t2:
             _ask(seen, t2, "tp1 A restored", PROMPTS["A"])
             _ask(seen, t2, "tp1 D corrupt", PROMPTS["D"])
             _ask(seen, t2, "tp1 B fresh", PROMPTS["B"])
-        # TP=2 on the same directory again: restores B (TP=1 -> TP=2).
+            redis.wait_keys(objects("ACDB"))
+        # Another node: its own empty directory, the shared G4 only.
+        # Restores C (TP=2 -> TP=1), computes and saves E at TP=1.
+        with VllmServer(model, logs / "t3.log", _kvtier(z, remote=redis.url), max_model_len=2048, hybrid=True) as t3:
+            _ask(seen, t3, "g4 tp1 C restored", PROMPTS["C"])
+            _ask(seen, t3, "tp1 E fresh", PROMPTS["E"])
+            seen.g4_expected = objects("ACDBE")
+            seen.g4_keys = redis.wait_keys(seen.g4_expected)
+        # TP=2 on x again: restores B from x (TP=1 -> TP=2, one directory)
+        # and E from G4 (TP=1 -> TP=2, across nodes).
         with VllmServer(
-            model, logs / "t3.log", _kvtier(x, remote=redis.url), max_model_len=2048, tp=2, hybrid=True
-        ) as t3:
-            _ask(seen, t3, "tp2 B restored", PROMPTS["B"])
-        # Other nodes: their own empty directories, the shared G4 only.
-        with VllmServer(model, logs / "t4.log", _kvtier(z, remote=redis.url), max_model_len=2048, hybrid=True) as t4:
-            _ask(seen, t4, "g4 tp1 C restored", PROMPTS["C"])
-        with VllmServer(
-            model, logs / "t5.log", _kvtier(w, remote=redis.url), max_model_len=2048, tp=2, hybrid=True
-        ) as t5:
-            _ask(seen, t5, "g4 tp2 B restored", PROMPTS["B"])
-    for name in ("t1", "t2", "t3", "t4", "t5"):
+            model, logs / "t4.log", _kvtier(x, remote=redis.url), max_model_len=2048, tp=2, hybrid=True
+        ) as t4:
+            _ask(seen, t4, "tp2 B restored", PROMPTS["B"])
+            _ask(seen, t4, "g4 tp2 E restored", PROMPTS["E"])
+    for name in ("t1", "t2", "t3", "t4"):
         seen.logs[name] = (logs / f"{name}.log").read_text(errors="replace")
     record["hybrid_scenario_s"] = time.monotonic() - t0
     return seen
@@ -132,10 +147,11 @@ def test_hybrid_manager_stays_on_with_two_kv_groups(hybrid: Seen) -> None:
 def test_hybrid_outputs_are_computed_not_copied(hybrid: Seen) -> None:
     # The prompts differ, and so do their outputs: identity below means
     # something.
-    assert len({hybrid.out[f"ref {k}"] for k in "ABCD"}) == 4
+    assert len({hybrid.out[f"ref {k}"] for k in "ABCDE"}) == 5
     for k in "ACD":
         _same(hybrid, f"tp2 {k} fresh", f"ref {k}")
     _same(hybrid, "tp1 B fresh", "ref B")
+    _same(hybrid, "tp1 E fresh", "ref E")
 
 
 @pytest.mark.parametrize(
@@ -144,12 +160,19 @@ def test_hybrid_outputs_are_computed_not_copied(hybrid: Seen) -> None:
         ("tp1 A restored", "ref A"),  # TP=2 -> TP=1, one directory
         ("tp2 B restored", "ref B"),  # TP=1 -> TP=2, one directory
         ("g4 tp1 C restored", "ref C"),  # TP=2 -> TP=1, across nodes through G4
-        ("g4 tp2 B restored", "ref B"),  # TP=1 -> TP=2, across nodes through G4
+        ("g4 tp2 E restored", "ref E"),  # TP=1 -> TP=2, across nodes through G4
     ],
 )
 def test_a_restore_at_another_tp_degree_is_identical(hybrid: Seen, name: str, ref: str) -> None:
     assert hybrid.ext[name] > 0, name
     _same(hybrid, name, ref)
+
+
+def test_every_group_and_head_reaches_the_shared_g4(hybrid: Seen) -> None:
+    # One object per block, KV cache group and KV head, from TP=2 and TP=1
+    # servers alike (the sliding group's blocks are saved before the window
+    # drops them).
+    assert hybrid.g4_keys == hybrid.g4_expected
 
 
 def test_a_corrupt_hybrid_block_is_recomputed(hybrid: Seen) -> None:

@@ -346,6 +346,21 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
+    def keys(self) -> int:
+        """How many keys it holds (``DBSIZE``)."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as s:
+            s.sendall(b"*1\r\n$6\r\nDBSIZE\r\n")
+            line = s.recv(64).decode()
+        return int(line.strip().lstrip(":"))
+
+    def wait_keys(self, count: int, timeout: float = 60) -> int:
+        """Waits until it holds ``count`` keys or more (a writer's G4 writes
+        run behind its replies), at most ``timeout`` seconds; the count."""
+        deadline = time.monotonic() + timeout
+        while (n := self.keys()) < count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return n
+
     def stop(self) -> None:
         self.proc.terminate()
         try:

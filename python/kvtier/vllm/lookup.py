@@ -5,9 +5,8 @@ workers open the store (a store directory has one owner), so the scheduler
 asks the workers how much of a prompt kvtier holds. Every tensor-parallel
 rank answers for the KV heads it holds, so the answer covers the whole
 model: a block counts only if every rank holds all its heads. A question is
-whole blocks of tokens, a key salt and the first block the scheduler needs
-(vLLM's own cache holds those before it); the answer is, per KV cache group
-and block from there, whether the rank holds it in any tier (a sliding-window
+whole blocks of tokens and a key salt; the answer is, per KV cache group
+and block, whether the rank holds it in any tier (a sliding-window
 group needs only the blocks in its window, so a leading count is not
 enough; :func:`~kvtier.vllm.groups.hit_end` turns the answers into a hit).
 
@@ -54,33 +53,29 @@ def lookup_address(vllm_config: VllmConfig, rank: int = 0) -> tuple[str, bytes]:
     return f"\0kvtier-vllm-{digest[:24]}-{rank}", digest.encode()
 
 
-def encode_lookup(tokens: list[int], salt: bytes, first: int = 0) -> bytes:
-    """A question: the first block asked about and the salt's length (4
-    bytes each, little-endian), the salt, then the tokens as native
-    unsigned 32-bit integers."""
-    head = first.to_bytes(4, "little") + len(salt).to_bytes(4, "little")
-    return head + salt + array.array("I", tokens).tobytes()
+def encode_lookup(tokens: list[int], salt: bytes) -> bytes:
+    """A question: the salt's length (4 bytes, little-endian), the salt,
+    then the tokens as native unsigned 32-bit integers."""
+    return len(salt).to_bytes(4, "little") + salt + array.array("I", tokens).tobytes()
 
 
-def decode_lookup(msg: bytes) -> tuple[list[int], bytes, int]:
-    """The tokens, salt and first block of :func:`encode_lookup`'s message."""
-    first = int.from_bytes(msg[:4], "little")
-    n = int.from_bytes(msg[4:8], "little")
-    salt = msg[8 : 8 + n]
+def decode_lookup(msg: bytes) -> tuple[list[int], bytes]:
+    """The tokens and salt of :func:`encode_lookup`'s message."""
+    n = int.from_bytes(msg[:4], "little")
+    salt = msg[4 : 4 + n]
     tokens = array.array("I")
-    tokens.frombytes(msg[8 + n :])
-    return tokens.tolist(), salt, first
+    tokens.frombytes(msg[4 + n :])
+    return tokens.tolist(), salt
 
 
-def presence(group: KvGroup, spaces: Sequence[Namespace], tokens: list[int], salt: bytes, first: int) -> bytes:
-    """Per block of ``tokens`` from block ``first`` on, 1 if every
-    namespace in ``spaces`` (the heads of ``group`` a rank holds) holds it,
-    else 0. A full group needs every block from the start, so it stops at
-    the first miss; a sliding-window group is asked block by block."""
-    blocks = len(tokens) // group.block_size
-    flags = bytearray(b"\1" * max(0, blocks - first))
+def presence(group: KvGroup, spaces: Sequence[Namespace], tokens: list[int], salt: bytes) -> bytes:
+    """Per whole block of ``tokens``, 1 if every namespace in ``spaces``
+    (the heads of ``group`` a rank holds) holds it, else 0. A full group
+    needs every block from the start, so it stops at the first miss; a
+    sliding-window group is asked block by block."""
+    flags = bytearray(b"\1" * (len(tokens) // group.block_size))
     for ns in spaces:
-        keys = ns.token_keys(tokens, salt=salt)[first:]
+        keys = ns.token_keys(tokens, salt=salt)
         if group.window_blocks is None:
             held = ns.lookup(keys)
             flags[held:] = bytes(len(flags) - held)
@@ -121,8 +116,8 @@ class LookupServer:
                 except (EOFError, OSError):
                     return
                 try:
-                    tokens, salt, first = decode_lookup(msg)
-                    answer = b"".join(presence(g, spaces, tokens, salt, first) for g, spaces in self._spaces)
+                    tokens, salt = decode_lookup(msg)
+                    answer = b"".join(presence(g, spaces, tokens, salt) for g, spaces in self._spaces)
                 except Exception as e:  # noqa: BLE001 - a failed lookup is a miss, logged
                     logger.warning("kvtier: lookup failed (counted as a miss): %s", e)
                     answer = b""
@@ -154,18 +149,17 @@ class LookupClient:
                 with contextlib.suppress(OSError, EOFError):
                     self._conn = Client(self._address, family="AF_UNIX", authkey=self._key)
 
-    def lookup(self, tokens: list[int], salt: bytes, first: int = 0) -> bytes:
-        """The rank's answer for ``tokens`` (whole blocks) from block
-        ``first`` on: per KV cache group in order, one byte per block, 1
-        where the rank holds it (see :func:`presence`); empty on any error
-        (one reconnection is tried first), which the caller counts as a
-        miss."""
+    def lookup(self, tokens: list[int], salt: bytes) -> bytes:
+        """The rank's answer for ``tokens`` (whole blocks): per KV cache
+        group in order, one byte per block, 1 where the rank holds it (see
+        :func:`presence`); empty on any error (one reconnection is tried
+        first), which the caller counts as a miss."""
         with self._lock:
             for attempt in range(2):
                 try:
                     if self._conn is None:
                         self._conn = self._connect()
-                    self._conn.send_bytes(encode_lookup(tokens, salt, first))
+                    self._conn.send_bytes(encode_lookup(tokens, salt))
                     return self._conn.recv_bytes()
                 except (OSError, EOFError) as e:
                     self._conn = None

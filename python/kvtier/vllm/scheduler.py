@@ -100,13 +100,13 @@ class KvtierScheduler:
         self._loading: set[str] = set()
         self._pending_loads: list[Job] = []
 
-    def _present(self, tokens: list[int], salt: bytes, first: int, end: int) -> list[bytes] | None:
-        """Per group, which blocks ``[first, end)`` every rank holds; None
-        when a rank did not answer (a miss)."""
-        n = end - first
+    def _present(self, tokens: list[int], salt: bytes) -> list[bytes] | None:
+        """Per group, which whole blocks of ``tokens`` every rank holds;
+        None when a rank did not answer (a miss)."""
+        n = len(tokens) // self._block_size
         merged = [bytearray(b"\1" * n) for _ in self._groups]
         for client in self._lookups:
-            answer = client.lookup(tokens, salt, first)
+            answer = client.lookup(tokens, salt)
             if len(answer) != n * len(self._groups):
                 return None
             for g, flags in enumerate(merged):
@@ -127,15 +127,18 @@ class KvtierScheduler:
             t = self._tracked[request.request_id] = Tracked(tokens, salt, known=0)
         first = num_computed_tokens // bs
         cacheable = (len(tokens) - 1) // bs
-        hit = first
+        hit, held = first, 0
         if cacheable > first:
-            present = self._present(tokens[: cacheable * bs], salt, first, cacheable)
+            present = self._present(tokens[: cacheable * bs], salt)
             if present is not None:
-                hit = hit_end(self._groups, present, first, cacheable)
+                hit = hit_end(self._groups, [p[first:] for p in present], first, cacheable)
+                # The blocks every group holds from the start: where vLLM's
+                # own cache had blocks kvtier lacks, they are saved again.
+                held = min((p + b"\0").index(0) for p in present)
         # A pure memo of the last answer (vLLM may ask again): used by
         # update_state_after_alloc; what kvtier holds need not be saved.
         t.local_tokens, t.hit_blocks = num_computed_tokens, hit
-        t.known = max(t.known, hit)
+        t.known = max(t.known, hit if held >= first else held)
         external = hit * bs - num_computed_tokens
         if external <= 0:
             return 0, False
