@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvtier import Store
 from kvtier.vllm import KvtierConnector, KvtierConnectorMetadata, KvtierConnectorStats, connector_namespaces
 from kvtier.vllm.config import KNOWN_KEYS, ConnectorConfig
 from kvtier.vllm.groups import FULL, SLIDING, KvGroup, hit_end, kv_groups, rank_heads
@@ -536,6 +537,25 @@ def test_hybrid_groups_keep_their_own_blocks_and_windows(tmp_path: Path) -> None
         assert [j.blocks for j in saves] == [[[(2, 2), (3, 3)], [(0, 5), (1, 6), (2, 7), (3, 8)]]]
     finally:
         engine.shutdown()
+
+
+def test_groups_of_equal_shape_never_share_a_namespace(tmp_path: Path) -> None:
+    # Gemma 3 under the hybrid manager: a group per layer, three of them
+    # sliding windows of one shape, all four tensors at one address.
+    sw = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32, sliding_window=BLOCK
+    )
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+    kv = KVCacheConfig(
+        NUM_BLOCKS, [], [KVCacheGroupSpec([_layer(i)], sw) for i in range(3)] + [KVCacheGroupSpec([_layer(3)], full)]
+    )
+    spaces = connector_namespaces(_vllm_config(tmp_path), kv, store=Store(str(tmp_path)))
+    names = [ns.name for group in spaces.values() for ns in group]
+    assert len(names) == 4 * HEADS
+    assert len(set(names)) == len(names)
+    tokens = list(range(2 * BLOCK))
+    keys = {k for group in spaces.values() for ns in group for k in ns.token_keys(tokens)}
+    assert len(keys) == 2 * 4 * HEADS
 
 
 def test_a_corrupt_hybrid_block_fails_the_request_s_restore_not_a_block(tmp_path: Path) -> None:
