@@ -313,7 +313,9 @@ class Namespace:
         """Hits, misses and corrupt blocks per tier, blocks on disk, read
         buffers warmed (``read_buffers_warmed`` of
         ``read_buffers_warm_target``) and block buffers served with fresh
-        memory (``fresh_buffers``: each was faulted in on first use)."""
+        memory (``fresh_buffers``: each was faulted in on first use; one
+        count for the whole store, whose namespaces share their block
+        buffers, so the buffers one namespace warms serve them all)."""
         return self._ns.stats()
 
     def metrics_text(self) -> str:

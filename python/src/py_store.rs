@@ -12,8 +12,10 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
+use kvtier_io::HostAllocator;
 use kvtier_store::eviction::EvictionKind;
 use kvtier_store::{
     Arrangement, BlockRegions, BlockResult as StoreResult, DiskConfig, DiskError, DiskTier,
@@ -609,6 +611,9 @@ pub struct Store {
     g3_sync: Option<std::time::Duration>,
     remote: Option<String>,
     shared: SharedMemory,
+    /// Block buffers of every namespace, made with the first: the read
+    /// buffers one namespace warms serve the others' reads too.
+    alloc: Mutex<Option<Arc<dyn HostAllocator>>>,
     namespaces: Mutex<HashMap<String, Py<Namespace>>>,
 }
 
@@ -651,6 +656,7 @@ impl Store {
             g3_sync: (g3_sync_ms > 0).then(|| std::time::Duration::from_millis(g3_sync_ms)),
             remote,
             shared: SharedMemory::with_eviction(g2_bytes, eviction),
+            alloc: Mutex::new(None),
             namespaces: Mutex::new(HashMap::new()),
         })
     }
@@ -718,7 +724,12 @@ impl Store {
         // Opened with the GIL held: the namespace lock is held too, and a
         // thread waiting for that lock holds the GIL (releasing it here
         // could deadlock the two).
-        let store = TieredStore::open(config).map_err(store_error)?;
+        let alloc = self
+            .alloc
+            .lock()
+            .get_or_insert_with(|| TieredStore::recycling_allocator(&config))
+            .clone();
+        let store = TieredStore::open_shared(config, alloc).map_err(store_error)?;
         let ns = Py::new(
             py,
             Namespace {

@@ -275,6 +275,30 @@ def test_a_restore_after_the_warming_takes_no_fresh_memory(tmp_path: Path) -> No
     assert fresh >= len(keys), fresh
 
 
+def test_one_namespace_s_warming_serves_every_namespace_of_the_store(tmp_path: Path) -> None:
+    # kvtier.vllm keeps a model's KV heads in namespaces of their own and
+    # warms the first: the others' restores read into those buffers too.
+    layout = Layout.vllm_cpu(2, 1, 64, block_tokens=16)
+    kv = [torch.randn(8, 1, 16, 128) for _ in range(2)]
+    keys = [bytes([i]) * 16 for i in range(8)]
+    store = Store(str(tmp_path / "cache"), g2_bytes=4 << 20, g3_bytes=16 << 20)
+    for fp in ("head0", "head1"):
+        ns = store.namespace(layout, fingerprint=fp)
+        assert all(r == "stored" for r in ns.save_pages(keys, kv, range(8)).wait())
+        ns.flush()
+    del ns, store
+    gc.collect()
+    store = Store(str(tmp_path / "cache"), g2_bytes=4 << 20, g3_bytes=16 << 20)
+    warm = store.namespace(layout, fingerprint="head0", warm_read_buffers=True)
+    other = store.namespace(layout, fingerprint="head1")
+    assert warm.wait_warm(timeout=60)
+    before = other.stats()["fresh_buffers"]
+    back = [torch.zeros_like(t) for t in kv]
+    assert all(r.tier == "g3" for r in other.load_pages(keys, back, range(8)).wait())
+    assert all(torch.equal(a, b) for a, b in zip(kv, back, strict=True))
+    assert other.stats()["fresh_buffers"] == before
+
+
 @pytest.mark.parametrize(("eviction", "evicted"), [("kvtier", "x"), ("lru", "x"), ("fifo", "h")])
 def test_the_eviction_policy_is_chosen_and_the_prefix_aware_ones_keep_a_chains_head(
     tmp_path: Path, eviction: str, evicted: str

@@ -270,7 +270,8 @@ class KvtierWorker:
             )
 
     def _fresh_buffers(self) -> int:
-        return sum(int(ns.stats().get("fresh_buffers", 0)) for ns in self.namespaces)
+        # One count for the store: its namespaces share their buffers.
+        return int(self.namespaces[0].stats().get("fresh_buffers", 0))
 
     def _start(self, job: Job, save: bool, layerwise: bool = False) -> Running:
         r = Running(job, time.monotonic(), layerwise=layerwise, block_ids=job.block_ids())

@@ -216,8 +216,27 @@ impl TieredStore {
     /// restart, `evict_memory`) would otherwise fault in every block that
     /// G2 is short of; the G2 budget is memory the store may use anyway.
     pub fn open(config: StoreConfig) -> Result<Self, StoreError> {
-        let keep = read_buffers_kept(&config);
-        let alloc: Arc<dyn HostAllocator> = Arc::new(RecyclingAllocator::new(keep));
+        let alloc = Self::recycling_allocator(&config);
+        Self::open_with(config, IoEngine::shared().clone(), alloc)
+    }
+
+    /// The recycling allocator [`open`](Self::open) gives a store of
+    /// `config`. Stores that share one G2 ([`StoreConfig::shared_memory`])
+    /// may share one allocator too (through [`open_shared`](Self::open_shared)):
+    /// the read buffers one of them warms then serve the reads of all, so
+    /// a restore spread over several namespaces (a model's KV heads, say)
+    /// reads into resident memory in each.
+    pub fn recycling_allocator(config: &StoreConfig) -> Arc<dyn HostAllocator> {
+        Arc::new(RecyclingAllocator::new(read_buffers_kept(config)))
+    }
+
+    /// [`open`](Self::open) with the shared I/O engine and `alloc` (from
+    /// [`recycling_allocator`](Self::recycling_allocator)) instead of an
+    /// allocator of its own.
+    pub fn open_shared(
+        config: StoreConfig,
+        alloc: Arc<dyn HostAllocator>,
+    ) -> Result<Self, StoreError> {
         Self::open_with(config, IoEngine::shared().clone(), alloc)
     }
 
