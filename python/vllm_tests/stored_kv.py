@@ -90,9 +90,14 @@ def corrupt(
     path, offset = where
     del ns, spaces, store
     gc.collect()
-    with open(path, "r+b") as f:
-        f.seek(offset + 128 + 1000)
-        b = f.read(1)
-        f.seek(offset + 128 + 1000)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip(path, offset + 128 + 1000)
     return path, offset
+
+
+def flip(path: str, at: int) -> None:
+    """Flips every bit of the byte at ``at`` of the file ``path``."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))

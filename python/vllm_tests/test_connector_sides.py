@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from stored_kv import flip
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -493,11 +494,7 @@ def _corrupt(ns: Any, key: bytes) -> None:
     where = ns.locate(key)
     assert where is not None
     path, offset = where
-    with open(path, "r+b") as f:
-        f.seek(offset + 128 + 100)
-        b = f.read(1)
-        f.seek(offset + 128 + 100)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip(path, offset + 128 + 100)
     ns.evict_memory()
 
 
