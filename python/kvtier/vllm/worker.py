@@ -409,18 +409,30 @@ class KvtierWorker:
         meta.saves = []
 
     def _reap_saves(self) -> None:
-        """Counts the saves that are done and lets them go."""
+        """Counts the saves that are done, by vLLM block (stored when a
+        head of it was written, failed when one was not), and lets them
+        go."""
         running: list[Running] = []
         for r in self._saves:
             if not r.done():
                 running.append(r)
                 continue
-            results = [x for _, res in r.wait() for x in res]
-            stored = sum(1 for x in results if x.status == "stored")
-            failed = [x for x in results if not x.ok]
-            self._stats.saved(stored, len(failed), time.monotonic() - r.started)
+            stored: set[int] = set()
+            failed: dict[int, Any] = {}
+            for (_, _, _, ids), (_, results) in zip(r.parts, r.wait(), strict=True):
+                for b, res in zip(ids, results, strict=True):
+                    if not res.ok:
+                        failed.setdefault(b, res)
+                    elif res.status == "stored":
+                        stored.add(b)
+            self._stats.saved(len(stored - set(failed)), len(failed), time.monotonic() - r.started)
             if failed:
-                logger.warning("kvtier: %d objects of request %s not saved: %s", len(failed), r.job.req_id, failed[0])
+                logger.warning(
+                    "kvtier: %d blocks of request %s not saved: %s",
+                    len(failed),
+                    r.job.req_id,
+                    next(iter(failed.values())),
+                )
         self._saves = running
 
     def get_finished(self) -> tuple[set[str], set[str]]:
