@@ -446,6 +446,16 @@ def main() -> int:
     for mode in modes:
         outputs[mode] = [t for c in levels for t in outs[(mode, c)]]
     identical = all(outputs[m] == outputs[modes[0]] for m in modes)
+    # Which modes gave the same greedy outputs (vLLM's CPU MLA path is not
+    # batch-invariant, and ExampleConnector mixes ranks at TP > 1: the
+    # groups say which modes agree where not all do).
+    agree: list[list[str]] = []
+    for m in modes:
+        same = next((g for g in agree if outputs[g[0]] == outputs[m]), None)
+        if same is None:
+            agree.append([m])
+        else:
+            same.append(m)
     rows = summarize(results)
     gate_list = gates(rows, levels, identical)
 
@@ -453,6 +463,7 @@ def main() -> int:
         "results": [asdict(r) for r in results],
         "rows": [asdict(r) for r in rows],
         "identical_outputs": identical,
+        "modes_with_equal_outputs": agree,
         "gates": gate_list,
         "page_cache_dropped": dropped,
         "energy": f"modelled: {IDLE_WATTS:.0f} W idle + {WATTS_PER_BUSY_CORE:.0f} W per busy core",
@@ -509,7 +520,7 @@ def main() -> int:
         if sync and lw:
             lines.append(f"concurrency {c}: TTFT p50 kvtier-sync/kvtier-layerwise "
                          f"x{sync.ttft_p50_median_s / lw.ttft_p50_median_s:.3f}")  # fmt: skip
-    lines.append(f"identical outputs: {identical}")
+    lines.append(f"identical outputs: {identical}" + ("" if identical else f" (equal: {agree})"))
     for g in gate_list:
         lines.append(f"gate {'PASS' if g['passed'] else 'FAIL'}: {g['name']} ({g['value']})")
     print("\n".join(lines), file=sys.stderr if a.json else sys.stdout)
