@@ -1,6 +1,6 @@
 """Saves made durable: the flusher.
 
-A save copies a finished request's blocks into the store's G2, where a block
+A save copies a step's computed blocks into the store's G2, where a block
 stays until it is evicted or written on; a restart or a kill moments later
 would lose it there. :class:`Flusher` writes G2 on to G3 as soon as each
 save's copy is done. It does not wait for vLLM: vLLM runs no step once its
